@@ -1,0 +1,1 @@
+"""The Planner, Coder and Verifier agents (installed as ``stitch_backend.agents``)."""

@@ -1,0 +1,240 @@
+"""The Planner: partitions one ATen graph into regions (DESIGN.md's region kinds).
+
+The partition is deterministic and greedy, in graph order:
+
+* a gemm / conv / attention node opens a region of its kind; the pointwise chain that
+  follows a gemm or conv (same element count as the product, consuming it) is attached
+  as its epilogue; a conv also takes a following batch norm;
+* pointwise, reduction and normalisation nodes join the open fused region when they
+  consume a value it produces, else they open a new fused region;
+* views and ``getitem``s move no data: they join the region of their producer when that
+  region is still open, else the region of their first consumer;
+* random ops, in-place ops and everything else are fallback regions (one per node,
+  consecutive host-side size arithmetic grouped) with the reason in words.
+
+Because regions are built in graph order and a node only ever joins a region at or
+after its inputs' regions, executing the regions in list order is valid, and random ops
+keep eager's relative order (so a seeded run draws the same numbers).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from stitch_backend.ir import Plan, Region, RegionKind
+from stitch_backend.opclass import OpClass, classify, fallback_reason, op_name
+
+log = logging.getLogger("stitch_backend.agents.planner")
+
+_FUSIBLE = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY}
+_ANCHOR_KIND = {OpClass.GEMM: RegionKind.GEMM, OpClass.CONV: RegionKind.CONV,
+                OpClass.ATTENTION: RegionKind.ATTENTION}
+# Batch norms a convolution region may absorb (eval-mode folding, training epilogue).
+_CONV_EPILOGUE_NORMS = {
+    "aten._native_batch_norm_legit_no_training.default",
+    "aten._native_batch_norm_legit_functional.default",
+    "aten._native_batch_norm_legit.default",
+}
+
+
+@dataclass
+class _Open:
+    kind: RegionKind
+    nodes: list[torch.fx.Node] = field(default_factory=list)
+    anchor_numel: object = None  # element count of a gemm/conv product
+    reason: str | None = None
+    symbolic: bool = False
+
+
+def _numel(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.numel()
+    return None
+
+
+def _same_numel(a, b) -> bool:
+    if a is None or b is None:
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # symbolic comparison that cannot be decided statically
+        return str(a) == str(b)
+
+
+def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
+    """Partition every compute node of ``gm`` into exactly one region, in execution order."""
+    regions: list[_Open] = []
+    region_of: dict[torch.fx.Node, int] = {}
+    pending_free: list[torch.fx.Node] = []  # views waiting for their first consumer
+    current: _Open | None = None
+
+    def open_region(kind: RegionKind, **kw) -> _Open:
+        nonlocal current
+        current = _Open(kind=kind, **kw)
+        regions.append(current)
+        return current
+
+    def add(node: torch.fx.Node, region: _Open) -> None:
+        # Free nodes this node consumes travel with it (a strided load, or a view that
+        # feeds the library call).
+        for dep in _pending_deps(node):
+            pending_free.remove(dep)
+            add(dep, region)
+        region.nodes.append(node)
+        region_of[node] = regions.index(region)
+
+    def _pending_deps(node: torch.fx.Node) -> list[torch.fx.Node]:
+        return [d for d in node.all_input_nodes if d in pending_free]
+
+    def consumes_current(node: torch.fx.Node) -> bool:
+        if current is None:
+            return False
+        idx = len(regions) - 1
+        for d in node.all_input_nodes:
+            if region_of.get(d) == idx:
+                return True
+            if d in pending_free and any(region_of.get(x) == idx for x in d.all_input_nodes):
+                return True
+        return False
+
+    def _fused_target(node: torch.fx.Node) -> int | None:
+        """The latest fused region producing one of ``node``'s inputs, if every input of
+        ``node`` is available there (so joining it keeps list order executable)."""
+        producers: list[int] = []
+        for d in node.all_input_nodes:
+            if d in pending_free:
+                producers.extend(region_of[x] for x in d.all_input_nodes if x in region_of)
+            elif d in region_of:
+                producers.append(region_of[d])
+        fused = [p for p in producers if regions[p].kind is RegionKind.FUSED]
+        if not fused:
+            return None
+        target = max(fused)
+        return target if max(producers) <= target else None
+
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        cls = classify(node)
+
+        if cls is OpClass.VIEW:
+            producers = [region_of[d] for d in node.all_input_nodes if d in region_of]
+            if current is not None and producers and max(producers) == len(regions) - 1 \
+                    and current.kind is not RegionKind.FALLBACK:
+                add(node, current)
+            elif producers and (node.target is operator.getitem
+                                or all(u.op == "output" for u in node.users)):
+                # getitem of a multi-output op always lives with its producer, and so
+                # does a view that only the graph output reads.
+                region = regions[max(producers)]
+                region.nodes.append(node)
+                region_of[node] = max(producers)
+            else:
+                pending_free.append(node)
+            continue
+
+        if cls in _ANCHOR_KIND:
+            region = open_region(_ANCHOR_KIND[cls], anchor_numel=_numel(node))
+            add(node, region)
+            continue
+
+        if cls in _FUSIBLE:
+            if current is not None and current.kind in (RegionKind.GEMM, RegionKind.CONV) \
+                    and _is_epilogue(node, cls, current) and consumes_current(node):
+                add(node, current)
+                continue
+            target = _fused_target(node)
+            if target is not None:
+                add(node, regions[target])
+                continue
+            add(node, open_region(RegionKind.FUSED))
+            continue
+
+        if cls is OpClass.SYMBOLIC and current is not None and current.symbolic:
+            add(node, current)
+            continue
+        reason = fallback_reason(node, cls)
+        add(node, open_region(RegionKind.FALLBACK, reason=reason,
+                              symbolic=cls is OpClass.SYMBOLIC))
+
+    # Views nobody consumed (graph outputs that are views) get a region of their own.
+    for node in list(pending_free):
+        pending_free.remove(node)
+        add(node, open_region(RegionKind.FALLBACK,
+                              reason="view returned as a graph output (no data moves)"))
+
+    plan = _finish(gm, regions, graph_name)
+    check_plan(gm, plan)
+    return plan
+
+
+def _is_epilogue(node: torch.fx.Node, cls: OpClass, region: _Open) -> bool:
+    """Whether ``node`` can be fused after the gemm/conv product of ``region``."""
+    if cls is OpClass.POINTWISE:
+        return _same_numel(_numel(node), region.anchor_numel)
+    if region.kind is RegionKind.CONV and cls is OpClass.NORM:
+        return op_name(node) in _CONV_EPILOGUE_NORMS
+    return False
+
+
+def _finish(gm: torch.fx.GraphModule, regions: list[_Open], graph_name: str) -> Plan:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    owner: dict[torch.fx.Node, int] = {}
+    for i, r in enumerate(regions):
+        r.nodes.sort(key=order.__getitem__)
+        for n in r.nodes:
+            owner[n] = i
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    result: list[Region] = []
+    compute = 0
+    for i, r in enumerate(regions):
+        members = set(r.nodes)
+        inputs: list[str] = []
+        outputs: list[str] = []
+        for n in r.nodes:
+            for d in n.all_input_nodes:
+                if d not in members and d.name not in inputs:
+                    inputs.append(d.name)
+            if any(u not in members for u in n.users) and n.name not in outputs:
+                outputs.append(n.name)
+        ops = [op_name(n) for n in r.nodes if classify(n) is not OpClass.VIEW]
+        compute += len(r.nodes)
+        reason = r.reason
+        if r.kind is RegionKind.FALLBACK and not reason:
+            reason = "no template"
+        result.append(Region(id=i, kind=r.kind, nodes=[n.name for n in r.nodes], ops=ops,
+                             inputs=inputs, outputs=outputs, reason=reason))
+    del out_node
+    return Plan(graph_name=graph_name, regions=result, node_count=compute)
+
+
+def check_plan(gm: torch.fx.GraphModule, plan: Plan) -> None:
+    """Assert the Plan's invariants: every compute node in exactly one region, and every
+    region's inputs produced by graph inputs or by earlier regions."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    seen: dict[str, int] = {}
+    for idx, region in enumerate(plan.regions):
+        for name in region.nodes:
+            if name in seen:
+                raise AssertionError(f"node {name} is in regions {seen[name]} and {idx}")
+            seen[name] = idx
+    compute = {n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")}
+    missing = compute - set(seen)
+    if missing:
+        raise AssertionError(f"nodes in no region: {sorted(missing)}")
+    for idx, region in enumerate(plan.regions):
+        for name in region.inputs:
+            node = nodes[name]
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if seen[name] >= idx:
+                raise AssertionError(
+                    f"region {idx} reads {name} from region {seen[name]}, which runs later")
+        if region.kind is RegionKind.FALLBACK and not region.reason:
+            raise AssertionError(f"fallback region {idx} has no reason")

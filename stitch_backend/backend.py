@@ -1,0 +1,194 @@
+"""The backend callable: ``torch.compile(model, backend="stitchcuda")``.
+
+Dynamo hands over an FX graph and example inputs; AOTAutograd turns it into functional
+ATen graphs (an inference graph, or a forward and a backward graph when training); for
+each, the Planner partitions it into regions, the Coder/Verifier replace regions by
+verified kernels where they can (on CUDA), and a ``Program`` runs the result. What was
+done for every graph is kept in ``GraphRecord``s, readable from Python and printed by
+``stitchcuda explain``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from . import config as config_mod
+from . import logs
+from .decompositions import decomposition_table
+from .exc import InvalidOptionError
+from .graph import GraphKey, graph_key
+from .ir import Plan, RegionKind
+from .program import Program
+
+log = logging.getLogger("stitch_backend.backend")
+
+_MODES = {None: {}, "default": {}, "reduce-overhead": {"cudagraphs": True},
+          "max-autotune": {"cudagraphs": True}, "max-autotune-no-cudagraphs": {"cudagraphs": False}}
+_graph_counter = itertools.count()
+
+
+@dataclass
+class GraphRecord:
+    """What the backend did with one ATen graph."""
+
+    index: int
+    stage: str                 # "inference", "forward" or "backward"
+    key: GraphKey
+    plan: Plan
+    device: str                # "cuda", "cpu", "meta", ...
+    dynamic: bool              # symbolic sizes among the inputs
+    compile_ms: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"graph {self.index} ({self.stage})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (the plan's regions in full)."""
+        return {
+            "index": self.index, "stage": self.stage, "key": self.key.digest,
+            "device": self.device, "dynamic": self.dynamic,
+            "compile_ms": round(self.compile_ms, 3), "notes": list(self.notes),
+            "counts": self.plan.counts(),
+            "regions": [r.to_dict() for r in self.plan.regions],
+        }
+
+
+class StitchBackend:
+    """A Dynamo backend object. ``records`` lists every graph it compiled.
+
+    Use directly to inspect what was done::
+
+        backend = StitchBackend(options={"cudagraphs": False})
+        compiled = torch.compile(model, backend=backend)
+        compiled(x)
+        print(backend.report())
+    """
+
+    def __init__(self, options: dict[str, Any] | None = None, mode: str | None = None):
+        if mode not in _MODES:
+            raise InvalidOptionError(
+                f"unknown torch.compile mode {mode!r} for stitchcuda; valid modes: "
+                + ", ".join(repr(m) for m in _MODES if m))
+        merged = dict(_MODES[mode])
+        merged.update(options or {})
+        self.config = config_mod.current().with_options(merged)
+        logs.configure(self.config.log_level)
+        self.records: list[GraphRecord] = []
+        self.dynamo_graphs = 0
+
+    # Dynamo calls this once per captured graph.
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.dynamo_graphs += 1
+        compile_stage = functools.partial
+        aot = aot_autograd(
+            fw_compiler=compile_stage(self._compile, "forward"),
+            bw_compiler=compile_stage(self._compile, "backward"),
+            inference_compiler=compile_stage(self._compile, "inference"),
+            decompositions=decomposition_table(),
+        )
+        return aot(gm, example_inputs)
+
+    def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Program:
+        from stitch_backend.agents.planner import partition
+
+        t0 = time.perf_counter()
+        index = next(_graph_counter)
+        device = _device_of(example_inputs)
+        dynamic = any(isinstance(x, torch.SymInt) or (
+            isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
+            for x in example_inputs)
+        plan = partition(gm, graph_name=f"graph_{index}_{stage}")
+        arch = self._arch(device)
+        key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
+        notes: list[str] = []
+        implementations: dict[int, Callable] = {}
+        if device != "cuda":
+            why = (f"inputs are on {device}: stitchcuda generates CUDA kernels only, "
+                   "so every region of this graph runs on ATen")
+            logs.warn_once(log, f"device:{device}", f"stitchcuda: {why}")
+            notes.append(why)
+            self._mark_aten(plan, why)
+        elif not self.config.codegen:
+            why = "codegen=False: every region runs on ATen"
+            notes.append(why)
+            self._mark_aten(plan, why)
+        else:
+            implementations = self._generate(gm, plan, example_inputs, key, notes)
+        program = Program(gm, plan, implementations)
+        record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
+                             dynamic=dynamic, compile_ms=(time.perf_counter() - t0) * 1e3,
+                             notes=notes)
+        self.records.append(record)
+        _ALL_RECORDS.append(record)
+        counts = plan.counts()
+        log.info("%s: %d regions (%s), %d generated, key %s", record.name, len(plan.regions),
+                 ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value]),
+                 counts["generated"], key.short)
+        return program
+
+    def _generate(self, gm, plan: Plan, example_inputs, key: GraphKey,
+                  notes: list[str]) -> dict[int, Callable]:
+        """Hook for the Coder/Verifier: region id -> verified implementation."""
+        why = "no kernel generator is installed yet: region runs on ATen"
+        self._mark_aten(plan, why)
+        notes.append(why)
+        return {}
+
+    @staticmethod
+    def _mark_aten(plan: Plan, why: str) -> None:
+        for region in plan.regions:
+            if region.kind is not RegionKind.FALLBACK and region.reason is None:
+                region.reason = why
+
+    def _arch(self, device: str) -> str:
+        if self.config.arch:
+            return self.config.arch
+        if device == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+        return device
+
+    def report(self) -> str:
+        """A readable summary of every graph compiled by this backend."""
+        from .report import render_text
+
+        return render_text(self.records, dynamo_graphs=self.dynamo_graphs)
+
+
+# Graphs compiled through the string entry point (``backend="stitchcuda"``), whose
+# backend objects the user never sees; ``stitch_backend.compiled_graphs()`` returns them.
+_ALL_RECORDS: list[GraphRecord] = []
+
+
+def stitchcuda(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+    """The registered backend: ``torch.compile(m, backend="stitchcuda", options={...})``."""
+    unknown = set(kwargs) - {"options", "mode"}
+    if unknown:
+        raise InvalidOptionError(f"unexpected stitchcuda arguments {sorted(unknown)}; "
+                                 "pass settings through options={...}")
+    backend = StitchBackend(options=kwargs.get("options"), mode=kwargs.get("mode"))
+    return backend(gm, example_inputs)
+
+
+def compiled_graphs() -> list[GraphRecord]:
+    """Every GraphRecord made in this process, in order."""
+    return list(_ALL_RECORDS)
+
+
+def _device_of(example_inputs: list[Any]) -> str:
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    if "cuda" in devices:
+        return "cuda"
+    return sorted(devices)[0] if devices else "cpu"

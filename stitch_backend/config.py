@@ -1,0 +1,221 @@
+"""Every setting of the backend, typed and commented, in one place.
+
+Each setting has a default, may be overridden by a ``STITCHCUDA_*`` environment
+variable (read here and nowhere else), and may be overridden per compile through
+``torch.compile(m, backend="stitchcuda", options={...})``. Tests use ``patch``.
+
+Settings marked ``changes_code`` alter what the backend generates and are folded into
+the cache key; the others (logging, cache location) do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator
+
+from .exc import InvalidOptionError
+
+
+def _meta(env: str | None, changes_code: bool, doc: str) -> dict[str, Any]:
+    return {"env": env, "changes_code": changes_code, "doc": doc}
+
+
+@dataclass
+class Config:
+    """The backend's settings. Construct with ``Config.from_env()`` then ``with_options``."""
+
+    # --- what runs ---------------------------------------------------------------
+    codegen: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_CODEGEN", True,
+                       "Generate kernels for regions; False keeps every region on ATen."),
+    )
+    coder: str = field(
+        default="template",
+        metadata=_meta("STITCHCUDA_CODER", True,
+                       "'template' (offline, default) or 'template+llm' (adds LLM candidates)."),
+    )
+    verify: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_VERIFY", True,
+                       "Verify every candidate against eager before use. Turning this off "
+                       "is for debugging only; unverified kernels are then never cached."),
+    )
+    require_speedup: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_REQUIRE_SPEEDUP", True,
+                       "Reject a verified candidate that is not faster than the eager region."),
+    )
+    cudagraphs: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_CUDAGRAPHS", True,
+                       "Capture static-shape inference Programs into one CUDA graph."),
+    )
+    cudagraphs_training: bool = field(
+        default=False,
+        metadata=_meta("STITCHCUDA_CUDAGRAPHS_TRAINING", True,
+                       "Also capture training graphs (off by default, as DESIGN.md says)."),
+    )
+    fold_batchnorm: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_FOLD_BATCHNORM", True,
+                       "Fold eval-mode BatchNorm into the preceding convolution at load."),
+    )
+    # Precision: defaults follow eager under the user's settings (DESIGN.md). The
+    # looser modes are opt-in by name.
+    allow_tanh_gelu: bool = field(
+        default=False,
+        metadata=_meta("STITCHCUDA_ALLOW_TANH_GELU", True,
+                       "Permit replacing exact (erf) GELU by the tanh form (looser)."),
+    )
+    dynamic: bool | None = field(
+        default=None,
+        metadata=_meta("STITCHCUDA_DYNAMIC", True,
+                       "None: follow Dynamo; True/False forces symbolic/static sizes in AOT."),
+    )
+    arch: str | None = field(
+        default=None,
+        metadata=_meta("STITCHCUDA_ARCH", True,
+                       "Target arch such as 'sm_90a'; None reads it off the current device."),
+    )
+    # --- budgets -----------------------------------------------------------------
+    max_attempts: int = field(
+        default=3,
+        metadata=_meta("STITCHCUDA_MAX_ATTEMPTS", True,
+                       "Coder/Verifier iterations per region before it stays on ATen."),
+    )
+    compile_workers: int = field(
+        default=0,
+        metadata=_meta("STITCHCUDA_COMPILE_WORKERS", False,
+                       "Parallel nvcc processes; 0 means one per CPU core."),
+    )
+    # --- cache and logging (do not change code) ----------------------------------
+    cache: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_CACHE", False, "Read and write the artifact cache."),
+    )
+    cache_dir: str = field(
+        default="",
+        metadata=_meta("STITCHCUDA_CACHE_DIR", False,
+                       "Cache root; empty means ~/.cache/stitchcuda."),
+    )
+    log_level: str = field(
+        default="",
+        metadata=_meta("STITCHCUDA_LOG", False,
+                       "Logging level for 'stitch_backend' loggers (DEBUG, INFO, ...)."),
+    )
+    llm_base_url: str = field(
+        default="",
+        metadata=_meta("STITCHCUDA_LLM_BASE_URL", False,
+                       "OpenAI-compatible endpoint for the optional LLM Coder."),
+    )
+    llm_model: str = field(
+        default="",
+        metadata=_meta("STITCHCUDA_LLM_MODEL", False, "Model name for the LLM Coder."),
+    )
+
+    # ------------------------------------------------------------------------------
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Config":
+        """A Config with defaults overridden by the ``STITCHCUDA_*`` environment."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = f.metadata["env"]
+            if var and var in env and env[var] != "":
+                values[f.name] = _parse(f, env[var], source=var)
+        return cls(**values)
+
+    def with_options(self, options: dict[str, Any] | None) -> "Config":
+        """A copy with ``options`` applied; unknown names raise InvalidOptionError."""
+        if not options:
+            return dataclasses.replace(self)
+        known = {f.name: f for f in fields(self)}
+        values: dict[str, Any] = {}
+        for name, value in options.items():
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise InvalidOptionError(
+                    f"unknown stitchcuda option {name!r}.{hint} Valid options: "
+                    + ", ".join(sorted(known))
+                )
+            values[name] = _parse(known[name], value, source=f"options[{name!r}]")
+        return dataclasses.replace(self, **values)
+
+    def code_options(self) -> dict[str, Any]:
+        """The settings that change generated code: these go into the cache key."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["changes_code"]}
+
+    def cache_root(self) -> Path:
+        """Where the artifact cache lives."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else (
+            Path.home() / ".cache" / "stitchcuda")
+
+    @staticmethod
+    def describe() -> list[tuple[str, str, str, str]]:
+        """(name, type, env var, doc) for every setting, for ``stitchcuda doctor``."""
+        return [(f.name, str(f.type), f.metadata["env"] or "", f.metadata["doc"])
+                for f in fields(Config)]
+
+
+def _parse(f: dataclasses.Field, value: Any, *, source: str) -> Any:
+    """Coerce ``value`` (a string from the environment, or a Python value) to ``f``'s type."""
+    kind = str(f.type)
+    try:
+        if kind.startswith("bool"):
+            if value is None and "None" in kind:
+                return None
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            if text in ("none", "auto") and "None" in kind:
+                return None
+            raise ValueError(f"expected a boolean, got {value!r}")
+        if kind.startswith("int"):
+            if isinstance(value, bool):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return int(value)
+        if kind.startswith("str"):
+            if value is None and "None" in kind:
+                return None
+            if not isinstance(value, str):
+                raise ValueError(f"expected a string, got {value!r}")
+            if f.name == "coder" and value not in ("template", "template+llm"):
+                raise ValueError("expected 'template' or 'template+llm'")
+            return value
+    except ValueError as err:
+        raise InvalidOptionError(f"stitchcuda setting {f.name} from {source}: {err}") from None
+    raise AssertionError(f"unhandled config type {kind}")
+
+
+_current: Config | None = None
+
+
+def current() -> Config:
+    """The process-wide settings: the environment, read once, plus any ``patch``."""
+    global _current
+    if _current is None:
+        _current = Config.from_env()
+    return _current
+
+
+@contextlib.contextmanager
+def patch(**changes: Any) -> Iterator[Config]:
+    """Temporarily change process-wide settings (for tests): ``with config.patch(codegen=False)``."""
+    global _current
+    before = current()
+    _current = before.with_options(changes)
+    try:
+        yield _current
+    finally:
+        _current = before

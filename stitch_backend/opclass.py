@@ -1,0 +1,153 @@
+"""What kind of work each ATen op is, as the Planner sees it.
+
+The classes follow the region kinds of DESIGN.md. Pointwise and random ops are read
+off the op's own tags (``torch.Tag.pointwise``, ``torch.Tag.nondeterministic_seeded``)
+so new ATen ops are classified without a table change; the rest are named here.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+
+import torch
+
+aten = torch.ops.aten
+
+
+class OpClass(enum.Enum):
+    """The Planner's view of one FX node."""
+
+    GEMM = "gemm"            # matrix products
+    CONV = "conv"            # convolutions
+    ATTENTION = "attention"  # fused scaled-dot-product attention ops
+    POINTWISE = "pointwise"  # elementwise, tagged pointwise by ATen
+    REDUCTION = "reduction"  # sum/mean/amax/var/...
+    NORM = "norm"            # softmax and the normalisations (row reductions + pointwise)
+    FACTORY = "factory"      # constants with no tensor input (full, scalar_tensor, ...)
+    VIEW = "view"            # free: no data moves (views, getitem of a multi-output op)
+    RANDOM = "random"        # draws from the generator: stays on ATen, in eager's order
+    SYMBOLIC = "symbolic"    # host-side size arithmetic on SymInts
+    OTHER = "other"          # anything else: ATen fallback
+
+
+def _ops(*packets_or_overloads) -> frozenset:
+    found = set()
+    for item in packets_or_overloads:
+        if isinstance(item, torch._ops.OpOverloadPacket):
+            for name in item.overloads():
+                found.add(getattr(item, name))
+        else:
+            found.add(item)
+    return frozenset(found)
+
+
+def _maybe(*names: str) -> list:
+    """ATen packets that may not exist in every supported torch version."""
+    return [getattr(aten, n) for n in names if hasattr(aten, n)]
+
+
+GEMM_OPS = _ops(aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul,
+                aten._addmm_activation)
+CONV_OPS = _ops(aten.convolution, aten.convolution_backward, aten._convolution,
+                aten.conv2d, aten.conv1d, aten.conv3d, aten.conv_transpose1d,
+                aten.conv_transpose2d, aten.conv_transpose3d)
+ATTENTION_OPS = _ops(
+    aten.scaled_dot_product_attention,
+    *_maybe("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention_backward",
+            "_scaled_dot_product_efficient_attention_backward",
+            "_scaled_dot_product_cudnn_attention_backward",
+            "_scaled_dot_product_flash_attention_for_cpu_backward",
+            "_flash_attention_forward", "_efficient_attention_forward"),
+)
+REDUCTION_OPS = _ops(aten.sum, aten.mean, aten.amax, aten.amin, aten.prod, aten.var,
+                     aten.var_mean, aten.std, aten.std_mean, aten.argmax, aten.argmin,
+                     aten.any, aten.all, aten.max.dim, aten.min.dim, aten.logsumexp,
+                     aten.norm, aten.linalg_vector_norm)
+NORM_OPS = _ops(aten._softmax, aten._log_softmax, aten.native_layer_norm,
+                aten.native_group_norm, aten._native_batch_norm_legit,
+                aten._native_batch_norm_legit_no_training,
+                aten._native_batch_norm_legit_functional, aten.native_batch_norm,
+                aten._softmax_backward_data, aten._log_softmax_backward_data,
+                aten.native_layer_norm_backward, aten.native_group_norm_backward,
+                aten.native_batch_norm_backward, aten.nll_loss_forward,
+                aten.nll_loss_backward, *_maybe("_fused_rms_norm"))
+FACTORY_OPS = _ops(aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.full_like,
+                   aten.zeros_like, aten.ones_like, aten.arange,
+                   *_maybe("iota"), torch.ops.prims.iota)
+VIEW_OPS = _ops(aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.expand,
+                aten.t, aten.transpose, aten.unsqueeze, aten.squeeze, aten.slice,
+                aten.select, aten.alias, aten.as_strided, aten.split, aten.split_with_sizes,
+                aten.unbind, aten.chunk, aten.narrow, aten.view_as, aten.expand_as,
+                aten.detach, aten.lift_fresh_copy)
+# Copy-like ops that are pointwise in effect though not tagged so.
+POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
+                       torch.ops.prims.convert_element_type)
+
+
+def classify(node: torch.fx.Node) -> OpClass:
+    """The OpClass of one call_function node (placeholders and outputs are not asked)."""
+    target = node.target
+    if target is operator.getitem:
+        return OpClass.VIEW
+    if not isinstance(target, torch._ops.OpOverload):
+        # Python operators on SymInts (operator.mul, sym_size, ...) are host-side.
+        return OpClass.SYMBOLIC if _is_symbolic(node) else OpClass.OTHER
+    if _is_symbolic(node):
+        return OpClass.SYMBOLIC
+    tags = set(target.tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return OpClass.RANDOM
+    for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),
+                     (ATTENTION_OPS, OpClass.ATTENTION), (VIEW_OPS, OpClass.VIEW),
+                     (NORM_OPS, OpClass.NORM), (REDUCTION_OPS, OpClass.REDUCTION),
+                     (FACTORY_OPS, OpClass.FACTORY), (POINTWISE_EXTRA, OpClass.POINTWISE)):
+        if target in ops:
+            return cls
+    if torch.Tag.pointwise in tags and not _mutates(target):
+        return OpClass.POINTWISE
+    return OpClass.OTHER
+
+
+def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
+    """Why a node of this class stays on ATen, in words for the report."""
+    name = op_name(node)
+    if cls is OpClass.RANDOM:
+        return f"{name} draws random numbers: kept on ATen so the generator is used in eager's order"
+    if cls is OpClass.SYMBOLIC:
+        return "host-side size arithmetic on symbolic shapes"
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        tags = set(target.tags)
+        if _mutates(target):
+            return f"{name} mutates its input: in-place ops stay on ATen"
+        if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
+            return f"{name} has a data-dependent output shape"
+    return f"no stitchcuda template covers {name}"
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """A stable, readable name for a node's op: 'aten.mm.default', 'operator.getitem'."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)  # e.g. aten.mm.default
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", repr(target))
+    if module in ("_operator", "operator"):
+        module = "operator"
+    return f"{module}.{name}" if module else name
+
+
+def _mutates(op: torch._ops.OpOverload) -> bool:
+    schema = op._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
+def _is_symbolic(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)) and \
+        not isinstance(val, torch.Tensor)

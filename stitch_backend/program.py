@@ -1,0 +1,150 @@
+"""The Program: a compiled graph as an ordered list of steps over numbered slots.
+
+Each step runs one region (an ATen region module today; a verified kernel or library
+call once the Coder has replaced it) and stores its outputs in slots; slots are freed
+after their last use, so peak memory follows eager's. The Program is called by
+AOTAutograd with a boxed list of inputs and returns the graph's outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from .ir import Plan, Region
+from .regions import region_module
+
+log = logging.getLogger("stitch_backend.program")
+
+
+@dataclass
+class Step:
+    """One region's execution: read ``inputs`` slots, call ``fn``, write ``outputs`` slots."""
+
+    region: Region
+    fn: Callable[..., Sequence[Any]]
+    inputs: list[int]
+    outputs: list[int]
+    free_after: list[int] = field(default_factory=list)
+
+
+class Program:
+    """Runs a Plan step by step. Called as ``program(args_list)`` (boxed, as AOT wants)."""
+
+    _boxed_call = True
+
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan,
+                 implementations: dict[int, Callable[..., Sequence[Any]]] | None = None):
+        """Build the steps of ``plan`` over ``gm``; ``implementations`` maps a region id to a
+        replacement callable (same inputs/outputs as the region); the rest run on ATen."""
+        self.plan = plan
+        self.calls = 0
+        implementations = implementations or {}
+        slot: dict[str, int] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for n in placeholders:
+            slot[n.name] = len(slot)
+        self.num_inputs = len(placeholders)
+        self.constants: list[tuple[int, Any]] = []
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                slot[n.name] = len(slot)
+                self.constants.append((slot[n.name], _fetch_attr(gm, n.target)))
+        self.steps: list[Step] = []
+        for region in plan.regions:
+            for name in region.outputs:
+                slot[name] = len(slot)
+            fn = implementations.get(region.id) or region_module(gm, region)
+            self.steps.append(Step(region=region, fn=fn,
+                                   inputs=[slot[x] for x in region.inputs],
+                                   outputs=[slot[x] for x in region.outputs]))
+        self.num_slots = len(slot)
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        self._out_spec = torch.fx.node.map_arg(out_node.args[0], lambda n: _Slot(slot[n.name]))
+        self._plan_frees()
+
+    def _plan_frees(self) -> None:
+        """Free every intermediate slot after the last step that reads it."""
+        last_use: dict[int, int] = {}
+        for i, step in enumerate(self.steps):
+            for s in step.inputs:
+                last_use[s] = i
+        keep = set(_flatten(self._out_spec))
+        for s, i in last_use.items():
+            if s not in keep:
+                self.steps[i].free_after.append(s)
+
+    def __call__(self, *call_args: Any) -> Any:
+        # AOTAutograd calls boxed (one list, which we may clear so inputs die early) where
+        # it sees ``_boxed_call``, and unboxed where a wrapper hides that attribute.
+        if len(call_args) == 1 and isinstance(call_args[0], list):
+            args = call_args[0]
+            slots: list[Any] = [None] * self.num_slots
+            slots[: self.num_inputs] = args
+            args.clear()
+        else:
+            slots = [None] * self.num_slots
+            slots[: self.num_inputs] = call_args
+        for s, value in self.constants:
+            slots[s] = value
+        for step in self.steps:
+            outs = step.fn(*[slots[s] for s in step.inputs])
+            for s, v in zip(step.outputs, outs):
+                slots[s] = v
+            for s in step.free_after:
+                slots[s] = None
+        self.calls += 1
+        return _unflatten(self._out_spec, slots)
+
+    def profile(self, args: list[Any], sync: Callable[[], None] | None = None) -> list[float]:
+        """Run once, timing each step with the host clock (after ``sync``); milliseconds."""
+        slots: list[Any] = [None] * self.num_slots
+        slots[: self.num_inputs] = list(args)
+        for s, value in self.constants:
+            slots[s] = value
+        times = []
+        for step in self.steps:
+            if sync:
+                sync()
+            t0 = time.perf_counter()
+            outs = step.fn(*[slots[s] for s in step.inputs])
+            if sync:
+                sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            for s, v in zip(step.outputs, outs):
+                slots[s] = v
+        return times
+
+
+def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Slot(int):
+    """A slot index inside the output spec (distinct from a literal int output)."""
+
+
+def _flatten(spec: Any) -> list[int]:
+    if isinstance(spec, _Slot):
+        return [int(spec)]
+    if isinstance(spec, (list, tuple)):
+        return [x for item in spec for x in _flatten(item)]
+    return []
+
+
+def _unflatten(spec: Any, slots: list[Any]) -> Any:
+    if isinstance(spec, _Slot):
+        return slots[spec]
+    if isinstance(spec, tuple):
+        return tuple(_unflatten(x, slots) for x in spec)
+    if isinstance(spec, list):
+        return [_unflatten(x, slots) for x in spec]
+    return spec  # None and other constants

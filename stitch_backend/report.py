@@ -1,0 +1,46 @@
+"""Readable reports of what the backend did: text for terminals, JSON for tools."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .ir import RegionKind
+
+
+def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
+                max_ops: int = 6) -> str:
+    """One block per compiled graph: its regions, kinds, ops and fallback reasons."""
+    records = list(records)
+    lines: list[str] = []
+    header = f"stitchcuda: {len(records)} ATen graph(s) compiled"
+    if dynamo_graphs is not None:
+        header += f" from {dynamo_graphs} Dynamo graph(s)"
+    lines.append(header)
+    for rec in records:
+        counts = rec.plan.counts()
+        kinds = ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value])
+        dyn = ", dynamic shapes" if rec.dynamic else ""
+        lines.append(f"\n{rec.name}: {len(rec.plan.regions)} regions ({kinds}); "
+                     f"{counts['generated']} generated; device {rec.device}{dyn}; "
+                     f"key {rec.key.short}; planned in {rec.compile_ms:.1f} ms")
+        for note in rec.notes:
+            lines.append(f"  note: {note}")
+        for region in rec.plan.regions:
+            ops = [o.removeprefix("aten.").removesuffix(".default") for o in region.ops]
+            shown = ", ".join(ops[:max_ops]) + (f", ... (+{len(ops) - max_ops})"
+                                                 if len(ops) > max_ops else "")
+            runs = region.kernel or region.backend
+            line = f"  [{region.id:3d}] {region.kind.value:9s} {runs:10s} {shown}"
+            if region.speedup is not None:
+                line += f"  ({region.speedup:.2f}x eager)"
+            lines.append(line)
+            if region.kind is RegionKind.FALLBACK and region.reason:
+                lines.append(f"        fallback: {region.reason}")
+    return "\n".join(lines)
+
+
+def render_json(records: Iterable[Any]) -> dict[str, Any]:
+    """A JSON object: ``graphs`` (each with ``regions``) and a flat ``regions`` list."""
+    graphs = [rec.to_dict() for rec in records]
+    regions = [dict(r, graph=g["index"]) for g in graphs for r in g["regions"]]
+    return {"graphs": graphs, "regions": regions}
