@@ -46,7 +46,7 @@ setup(
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=sorted(package_dir),
     package_dir=package_dir,
     package_data={

@@ -74,11 +74,13 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
     pending_free: list[torch.fx.Node] = []  # views waiting for their first consumer
     current: _Open | None = None
 
-    def open_region(kind: RegionKind, **kw) -> _Open:
+    def open_region(kind: RegionKind, *, make_current: bool = True, **kw) -> _Open:
         nonlocal current
-        current = _Open(kind=kind, **kw)
-        regions.append(current)
-        return current
+        region = _Open(kind=kind, **kw)
+        regions.append(region)
+        if make_current:
+            current = region
+        return region
 
     def add(node: torch.fx.Node, region: _Open) -> None:
         # Free nodes this node consumes travel with it (a strided load, or a view that
@@ -95,7 +97,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
     def consumes_current(node: torch.fx.Node) -> bool:
         if current is None:
             return False
-        idx = len(regions) - 1
+        idx = regions.index(current)
         for d in node.all_input_nodes:
             if region_of.get(d) == idx:
                 return True
@@ -103,15 +105,22 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
                 return True
         return False
 
+    def _producers(node: torch.fx.Node) -> list[int]:
+        """Indices of the regions producing ``node``'s inputs (through pending views)."""
+        found: list[int] = []
+        stack = list(node.all_input_nodes)
+        while stack:
+            d = stack.pop()
+            if d in pending_free:
+                stack.extend(d.all_input_nodes)
+            elif d in region_of:
+                found.append(region_of[d])
+        return found or [-1]
+
     def _fused_target(node: torch.fx.Node) -> int | None:
         """The latest fused region producing one of ``node``'s inputs, if every input of
         ``node`` is available there (so joining it keeps list order executable)."""
-        producers: list[int] = []
-        for d in node.all_input_nodes:
-            if d in pending_free:
-                producers.extend(region_of[x] for x in d.all_input_nodes if x in region_of)
-            elif d in region_of:
-                producers.append(region_of[d])
+        producers = [p for p in _producers(node) if p >= 0]
         fused = [p for p in producers if regions[p].kind is RegionKind.FUSED]
         if not fused:
             return None
@@ -125,7 +134,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
 
         if cls is OpClass.VIEW:
             producers = [region_of[d] for d in node.all_input_nodes if d in region_of]
-            if current is not None and producers and max(producers) == len(regions) - 1 \
+            if current is not None and producers and max(producers) == regions.index(current) \
                     and current.kind is not RegionKind.FALLBACK:
                 add(node, current)
             elif producers and (node.target is operator.getitem
@@ -146,14 +155,19 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
 
         if cls in _FUSIBLE:
             if current is not None and current.kind in (RegionKind.GEMM, RegionKind.CONV) \
-                    and _is_epilogue(node, cls, current) and consumes_current(node):
+                    and _is_epilogue(node, cls, current) and consumes_current(node) \
+                    and max(_producers(node)) <= regions.index(current):
                 add(node, current)
                 continue
             target = _fused_target(node)
             if target is not None:
                 add(node, regions[target])
                 continue
-            add(node, open_region(RegionKind.FUSED))
+            # A fused op unrelated to an open gemm/conv (say the BatchNorm step counter
+            # between a conv and its BatchNorm) must not cut that region's epilogue off.
+            keep_anchor = current is not None and current.kind in (
+                RegionKind.GEMM, RegionKind.CONV) and not consumes_current(node)
+            add(node, open_region(RegionKind.FUSED, make_current=not keep_anchor))
             continue
 
         if cls is OpClass.SYMBOLIC and current is not None and current.symbolic:

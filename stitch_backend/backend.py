@@ -47,6 +47,8 @@ class GraphRecord:
     dynamic: bool              # symbolic sizes among the inputs
     compile_ms: float
     notes: list[str] = field(default_factory=list)
+    # The ATen graph itself, for ``explain --emit-dir`` and tests; not serialised.
+    gm: Any = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -114,7 +116,11 @@ class StitchBackend:
         key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
         notes: list[str] = []
         implementations: dict[int, Callable] = {}
-        if device != "cuda":
+        if device == "meta":
+            why = "traced on meta tensors: plan only, nothing runs"
+            notes.append(why)
+            self._mark_aten(plan, why)
+        elif device != "cuda":
             why = (f"inputs are on {device}: stitchcuda generates CUDA kernels only, "
                    "so every region of this graph runs on ATen")
             logs.warn_once(log, f"device:{device}", f"stitchcuda: {why}")
@@ -129,7 +135,7 @@ class StitchBackend:
         program = Program(gm, plan, implementations)
         record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
                              dynamic=dynamic, compile_ms=(time.perf_counter() - t0) * 1e3,
-                             notes=notes)
+                             notes=notes, gm=gm)
         self.records.append(record)
         _ALL_RECORDS.append(record)
         counts = plan.counts()

@@ -98,6 +98,11 @@ def classify(node: torch.fx.Node) -> OpClass:
     if _is_symbolic(node):
         return OpClass.SYMBOLIC
     tags = set(target.tags)
+    # Fused attention ops carry the seeded tag for their dropout; they stay attention
+    # regions (run by ATen's SDPA, in graph order, unless a verified kernel without
+    # dropout replaces them).
+    if target in ATTENTION_OPS:
+        return OpClass.ATTENTION
     if torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM
     for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),

@@ -36,14 +36,15 @@ class Step:
 class Program:
     """Runs a Plan step by step. Called as ``program(args_list)`` (boxed, as AOT wants)."""
 
-    _boxed_call = True
-
     def __init__(self, gm: torch.fx.GraphModule, plan: Plan,
                  implementations: dict[int, Callable[..., Sequence[Any]]] | None = None):
         """Build the steps of ``plan`` over ``gm``; ``implementations`` maps a region id to a
         replacement callable (same inputs/outputs as the region); the rest run on ATen."""
         self.plan = plan
         self.calls = 0
+        # An instance attribute (not a class one) so that functools.wraps, which Dynamo
+        # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
+        self._boxed_call = True
         implementations = implementations or {}
         slot: dict[str, int] = {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

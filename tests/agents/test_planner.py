@@ -1,0 +1,105 @@
+"""The Planner's partition: complete, ordered, kinds as DESIGN.md says, JSON round trip."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from stitch_backend.agents.planner import check_plan, partition
+from stitch_backend.backend import StitchBackend
+from stitch_backend.ir import Plan, RegionKind
+from tests.zoo import zoo
+
+
+def _records(fn, *inputs, training=False):
+    backend = StitchBackend()
+    compiled = torch.compile(fn, backend=backend)
+    if training:
+        out = compiled(*inputs)
+        out.sum().backward()
+    else:
+        with torch.no_grad():
+            compiled(*inputs)
+    return backend.records
+
+
+def test_every_zoo_node_in_exactly_one_region_and_json_round_trip():
+    for name, (cls, make_inputs) in zoo().items():
+        torch.manual_seed(0)
+        model = cls()
+        backend = StitchBackend()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(*make_inputs(2))
+        assert backend.records, name
+        for rec in backend.records:
+            check_plan(rec.gm, rec.plan)
+            again = Plan.from_json(rec.plan.to_json())
+            assert again == rec.plan, name
+            for region in rec.plan.regions:
+                assert region.kind in RegionKind
+                if region.kind is RegionKind.FALLBACK:
+                    assert region.reason, (name, region)
+
+
+def test_gemm_takes_its_epilogue_chain():
+    lin = torch.nn.Linear(8, 8)
+    (rec,) = _records(lambda x: F.relu(lin(x) * 2.0 + 1.0), torch.randn(4, 8))
+    gemms = [r for r in rec.plan.regions if r.kind is RegionKind.GEMM]
+    assert len(gemms) == 1
+    assert [o for o in gemms[0].ops] == ["aten.addmm.default", "aten.mul.Tensor",
+                                          "aten.add.Tensor", "aten.relu.default"]
+
+
+def test_conv_takes_batchnorm_and_relu():
+    conv, bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4).eval()
+    (rec,) = _records(lambda x: F.relu(bn(conv(x))), torch.randn(2, 3, 8, 8))
+    convs = [r for r in rec.plan.regions if r.kind is RegionKind.CONV]
+    assert len(convs) == 1
+    ops = convs[0].ops
+    assert ops[0] == "aten.convolution.default"
+    assert "aten._native_batch_norm_legit_no_training.default" in ops
+    assert "aten.relu.default" in ops
+
+
+def test_softmax_chain_is_one_fused_region():
+    (rec,) = _records(lambda x: torch.softmax(x * 3.0, -1).log() + 1, torch.randn(4, 16))
+    fused = [r for r in rec.plan.regions if r.kind is RegionKind.FUSED]
+    assert len(fused) == 1
+    assert "aten._softmax.default" in fused[0].ops and "aten.log.default" in fused[0].ops
+
+
+def test_random_ops_are_fallbacks_with_reason():
+    (rec,) = _records(lambda x: F.dropout(x, 0.5, True) + torch.rand_like(x), torch.randn(4, 4))
+    rand = [r for r in rec.plan.regions if r.kind is RegionKind.FALLBACK]
+    assert {op for r in rand for op in r.ops} >= {"aten.native_dropout.default",
+                                                   "aten.rand_like.default"}
+    assert all("random" in r.reason for r in rand if r.ops)
+
+
+def test_attention_region():
+    q = torch.randn(2, 2, 8, 16)
+    (rec,) = _records(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, q, q)
+    assert any(r.kind is RegionKind.ATTENTION for r in rec.plan.regions)
+
+
+def test_partition_is_deterministic():
+    model = zoo()["transformer_block"][0]()
+    x = zoo()["transformer_block"][1](2)
+    plans = []
+    for _ in range(2):
+        backend = StitchBackend()
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(*x)
+        plans.append([r.to_dict() for rec in backend.records for r in rec.plan.regions])
+    assert plans[0] == plans[1]
+
+
+def test_partition_direct_on_fx_graph():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w: torch.tanh(x @ w).amax(-1))(torch.randn(3, 4), torch.randn(4, 5))
+    plan = partition(gm)
+    kinds = [r.kind for r in plan.regions]
+    assert kinds[0] is RegionKind.GEMM
+    assert plan.node_count == sum(len(r.nodes) for r in plan.regions)
