@@ -47,6 +47,7 @@ class GraphRecord:
     dynamic: bool              # symbolic sizes among the inputs
     compile_ms: float
     notes: list[str] = field(default_factory=list)
+    cached: bool = False       # loaded from the artifact cache
     # The ATen graph itself, for ``explain --emit-dir`` and tests; not serialised.
     gm: Any = field(default=None, repr=False, compare=False)
 
@@ -58,7 +59,7 @@ class GraphRecord:
         """JSON-able summary (the plan's regions in full)."""
         return {
             "index": self.index, "stage": self.stage, "key": self.key.digest,
-            "device": self.device, "dynamic": self.dynamic,
+            "device": self.device, "dynamic": self.dynamic, "cached": self.cached,
             "compile_ms": round(self.compile_ms, 3), "notes": list(self.notes),
             "counts": self.plan.counts(),
             "regions": [r.to_dict() for r in self.plan.regions],
@@ -86,6 +87,7 @@ class StitchBackend:
         self.config = config_mod.current().with_options(merged)
         logs.configure(self.config.log_level)
         self.records: list[GraphRecord] = []
+        self.trajectories: list[Any] = []
         self.dynamo_graphs = 0
 
     # Dynamo calls this once per captured graph.
@@ -114,43 +116,115 @@ class StitchBackend:
         plan = partition(gm, graph_name=f"graph_{index}_{stage}")
         arch = self._arch(device)
         key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
-        notes: list[str] = []
-        implementations: dict[int, Callable] = {}
+        record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
+                             dynamic=dynamic, compile_ms=0.0, gm=gm)
+        notes = record.notes
         if device == "meta":
             why = "traced on meta tensors: plan only, nothing runs"
             notes.append(why)
             self._mark_aten(plan, why)
+            program = Program(gm, plan)
         elif device != "cuda":
             why = (f"inputs are on {device}: stitchcuda generates CUDA kernels only, "
                    "so every region of this graph runs on ATen")
             logs.warn_once(log, f"device:{device}", f"stitchcuda: {why}")
             notes.append(why)
             self._mark_aten(plan, why)
+            program = Program(gm, plan)
         elif not self.config.codegen:
             why = "codegen=False: every region runs on ATen"
             notes.append(why)
             self._mark_aten(plan, why)
+            program = Program(gm, plan)
         else:
-            implementations = self._generate(gm, plan, example_inputs, key, notes)
-        program = Program(gm, plan, implementations)
-        record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
-                             dynamic=dynamic, compile_ms=(time.perf_counter() - t0) * 1e3,
-                             notes=notes, gm=gm)
+            program = self._build_cuda(gm, plan, key, arch, record)
+        record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
         counts = plan.counts()
-        log.info("%s: %d regions (%s), %d generated, key %s", record.name, len(plan.regions),
+        log.info("%s: %d regions (%s), %d generated, key %s, %.0f ms", record.name,
+                 len(plan.regions),
                  ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value]),
-                 counts["generated"], key.short)
+                 counts["generated"], key.short, record.compile_ms)
         return program
 
-    def _generate(self, gm, plan: Plan, example_inputs, key: GraphKey,
-                  notes: list[str]) -> dict[int, Callable]:
-        """Hook for the Coder/Verifier: region id -> verified implementation."""
-        why = "no kernel generator is installed yet: region runs on ATen"
-        self._mark_aten(plan, why)
-        notes.append(why)
-        return {}
+    def _build_cuda(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord) -> Program:
+        """Warm start from the cache, or Coder + compile now and Verifier on the first call
+        (verification needs real inputs), then store the verified Program."""
+        from . import artifacts
+
+        notes = record.notes
+        sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        slot = None
+        if self.config.cache and self.config.verify:
+            store = artifacts.open_store(self.config.cache_dir)
+            entry, slot = artifacts.claim(store, key.digest)
+            if entry is not None:
+                warm = artifacts.warm_start(entry, gm, plan, task_graph=plan.graph_name,
+                                            sm_count=sm_count)
+                if warm is not None:
+                    notes.append(f"loaded from the cache ({len(warm.runners)} kernel(s), "
+                                 f"key {key.short})")
+                    record.cached = True
+                    return Program(gm, plan, warm.runners)
+                notes.append("cache entry did not fit this graph: rebuilt, not stored")
+        try:
+            return self._generate(gm, plan, key, arch, record, slot, sm_count)
+        except BaseException:
+            if slot is not None:
+                slot.release()
+            raise
+
+    def _generate(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord,
+                  slot, sm_count: int) -> Program:
+        from stitch_backend.agents.acceptance import verify_first_call
+        from stitch_backend.agents.loop import implement
+        from stitch_backend.agents.state import Task
+        from stitch_backend.agents.verifier import Verifier, VerifySettings
+
+        from . import artifacts
+        from .toolchain_info import find_nvcc
+
+        notes = record.notes
+        if find_nvcc() is None:
+            why = "nvcc not found (set CUDA_HOME or put nvcc on PATH): region runs on ATen"
+            notes.append(why)
+            self._mark_aten(plan, why)
+            return self._finish_uncompiled(gm, plan, record, slot)
+        task = Task(graph=plan.graph_name, key=key.digest, arch=arch, device="cuda")
+        impl = implement(task, gm, plan, arch=arch, sm_count=sm_count,
+                         workers=self.config.compile_workers or None)
+        self.trajectories.append(impl.trajectory)
+        notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "
+                     f"{impl.compile_s:.2f} s")
+        if not self.config.verify:
+            from .kernels import KernelRunner
+
+            notes.append("verify=False: candidates installed UNVERIFIED (debugging only)")
+            for rid, cand in impl.candidates.items():
+                plan.regions[rid].backend, plan.regions[rid].kernel = "kernel", cand.name
+            return Program(gm, plan, {rid: KernelRunner(c) for rid, c in impl.candidates.items()})
+        if not impl.candidates:
+            return self._finish_uncompiled(gm, plan, record, slot)
+
+        def on_done(program: Program) -> None:
+            if slot is not None:
+                artifacts.store_program(slot, program, record, impl.candidates)
+
+        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
+        verify = functools.partial(verify_first_call, verifier=verifier,
+                                   trajectory=impl.trajectory, on_done=on_done)
+        return Program(gm, plan, pending=impl.candidates, verify=verify)
+
+    @staticmethod
+    def _finish_uncompiled(gm, plan: Plan, record: GraphRecord, slot) -> Program:
+        """An all-ATen Program; cached too, so a warm start skips the Coder."""
+        from . import artifacts
+
+        program = Program(gm, plan)
+        if slot is not None:
+            artifacts.store_program(slot, program, record, {})
+        return program
 
     @staticmethod
     def _mark_aten(plan: Plan, why: str) -> None:

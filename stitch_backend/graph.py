@@ -8,7 +8,6 @@ the input metas, the code-changing options, the GPU arch and the versions.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
 from dataclasses import dataclass, field
@@ -20,10 +19,6 @@ import torch.fx
 from .ir import TensorMeta
 from .opclass import op_name
 from .version import __version__
-
-# Bump when the meaning of a cached artifact changes without any other key field changing.
-CACHE_VERSION = 1
-
 
 class _Symbols:
     """Renames sympy symbols to s0, s1, ... in order of first appearance."""
@@ -145,7 +140,6 @@ def versions() -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "nvcc": toolchain_info.nvcc_version() or "none",
         "stitchcuda": __version__,
-        "cache_version": str(CACHE_VERSION),
     }
 
 
@@ -168,12 +162,9 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
               options: dict[str, Any], arch: str,
               version_info: dict[str, str] | None = None) -> GraphKey:
     """Key of ``gm`` for these inputs, options, arch and versions (all in ``fields``)."""
-    fields_ = {
-        "graph": canonical_graph(gm),
-        "inputs": input_metas(example_inputs),
-        "options": options,
-        "arch": arch,
-        "versions": version_info if version_info is not None else versions(),
-    }
-    blob = json.dumps(fields_, sort_keys=True, default=str).encode()
-    return GraphKey(hashlib.sha256(blob).hexdigest(), fields_)
+    from stitch_backend.cache import CacheKey
+
+    key = CacheKey(graph=canonical_graph(gm), input_metas=input_metas(example_inputs),
+                   options=json.loads(json.dumps(options, default=str)), arch=arch,
+                   versions=version_info if version_info is not None else versions())
+    return GraphKey(key.hex, key.fields())

@@ -28,6 +28,7 @@ class Step:
 
     region: Region
     fn: Callable[..., Sequence[Any]]
+    aten: Callable[..., Sequence[Any]]
     inputs: list[int]
     outputs: list[int]
     free_after: list[int] = field(default_factory=list)
@@ -37,10 +38,18 @@ class Program:
     """Runs a Plan step by step. Called as ``program(args_list)`` (boxed, as AOT wants)."""
 
     def __init__(self, gm: torch.fx.GraphModule, plan: Plan,
-                 implementations: dict[int, Callable[..., Sequence[Any]]] | None = None):
+                 implementations: dict[int, Callable[..., Sequence[Any]]] | None = None,
+                 pending: dict[int, Any] | None = None,
+                 verify: Callable[["Program", list[Any]], Any] | None = None):
         """Build the steps of ``plan`` over ``gm``; ``implementations`` maps a region id to a
-        replacement callable (same inputs/outputs as the region); the rest run on ATen."""
+        replacement callable (same inputs/outputs as the region); the rest run on ATen.
+
+        ``pending`` holds candidates that need verification on real inputs: the first
+        call then goes through ``verify(program, args)``, which runs the graph on ATen,
+        installs the candidates that pass and returns the ATen outputs."""
         self.plan = plan
+        self.pending = dict(pending or {})
+        self._verify = verify
         self.calls = 0
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
@@ -60,8 +69,9 @@ class Program:
         for region in plan.regions:
             for name in region.outputs:
                 slot[name] = len(slot)
-            fn = implementations.get(region.id) or region_module(gm, region)
-            self.steps.append(Step(region=region, fn=fn,
+            aten = region_module(gm, region)
+            fn = implementations.get(region.id) or aten
+            self.steps.append(Step(region=region, fn=fn, aten=aten,
                                    inputs=[slot[x] for x in region.inputs],
                                    outputs=[slot[x] for x in region.outputs]))
         self.num_slots = len(slot)
@@ -80,23 +90,48 @@ class Program:
             if s not in keep:
                 self.steps[i].free_after.append(s)
 
+    def step_of(self, region_id: int) -> Step:
+        return next(s for s in self.steps if s.region.id == region_id)
+
     def __call__(self, *call_args: Any) -> Any:
         # AOTAutograd calls boxed (one list, which we may clear so inputs die early) where
         # it sees ``_boxed_call``, and unboxed where a wrapper hides that attribute.
         if len(call_args) == 1 and isinstance(call_args[0], list):
             args = call_args[0]
+            if self.pending and self._verify is not None:
+                inputs = list(args)
+                args.clear()
+                return self._verify(self, inputs)
             slots: list[Any] = [None] * self.num_slots
             slots[: self.num_inputs] = args
             args.clear()
         else:
+            if self.pending and self._verify is not None:
+                return self._verify(self, list(call_args))
             slots = [None] * self.num_slots
             slots[: self.num_inputs] = call_args
+        return self.run(slots)
+
+    def run_inputs(self, inputs: Sequence[Any],
+                   observe: Callable[[Step, list[Any], Sequence[Any]], None] | None = None) -> Any:
+        """Run on ``inputs`` (not consumed); ``observe(step, step_inputs, outputs)`` sees
+        every step (the Verifier's hook)."""
+        slots: list[Any] = [None] * self.num_slots
+        slots[: self.num_inputs] = list(inputs)
+        return self.run(slots, observe)
+
+    def run(self, slots: list[Any], observe=None) -> Any:
+        """Execute every step over ``slots`` (inputs already placed)."""
         for s, value in self.constants:
             slots[s] = value
         for step in self.steps:
-            outs = step.fn(*[slots[s] for s in step.inputs])
+            step_inputs = [slots[s] for s in step.inputs]
+            outs = step.fn(*step_inputs)
+            if observe is not None:
+                observe(step, step_inputs, outs)
             for s, v in zip(step.outputs, outs):
                 slots[s] = v
+            del step_inputs
             for s in step.free_after:
                 slots[s] = None
         self.calls += 1

@@ -1,0 +1,79 @@
+"""The agent loop for one graph: Planner's plan -> Coder -> compile -> (Verifier at first call).
+
+Candidates are compiled in parallel; a region whose candidate cannot be produced or
+compiled stays on ATen with the reason written into the Plan. Verification needs real
+inputs, so it happens on the Program's first call (``stitch_backend.program``), which
+calls back into ``agents.verifier``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch.fx
+
+from stitch_backend.ir import Plan, RegionKind
+from stitch_backend.logs import OUTPUT_CODE
+from stitch_backend.regions import region_module
+
+from .coder import NoCandidate, TemplateCoder
+from .state import Attempt, Candidate, Subtask, Task, Trajectory
+
+log = logging.getLogger("stitch_backend.agents.loop")
+code_log = logging.getLogger(OUTPUT_CODE)
+
+
+@dataclass
+class Implementation:
+    """What the loop produced for one graph: compiled candidates awaiting verification."""
+
+    candidates: dict[int, Candidate] = field(default_factory=dict)
+    trajectory: Trajectory | None = None
+    compile_s: float = 0.0
+
+
+def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
+              sm_count: int = 132, workers: int | None = None) -> Implementation:
+    """Propose and compile a candidate for every region the templates cover."""
+    from stitch_backend.toolchain import CompileError, CompileJob, compile_many, csrc_dir
+
+    coder = TemplateCoder(sm_count=sm_count)
+    trajectory = Trajectory(task=task)
+    proposals: list[Candidate] = []
+    for region in plan.regions:
+        if region.kind is RegionKind.FALLBACK:
+            continue
+        sub = Subtask(region_id=region.id, region_name=f"{task.graph}_{region.name}",
+                      kind=region.kind.value, ops=region.ops)
+        try:
+            sub.module = region_module(gm, region)
+            cand = coder.propose(sub)
+        except NoCandidate as err:
+            region.reason = str(err)
+            continue
+        except Exception as err:  # noqa: BLE001 - a Coder bug must not break the user's model
+            log.warning("coder failed on %s: %s: %s", sub.region_name, type(err).__name__, err)
+            region.reason = f"coder error: {type(err).__name__}: {err}"
+            continue
+        code_log.debug("// region %s\n%s", sub.region_name, cand.source)
+        proposals.append(cand)
+
+    t0 = time.perf_counter()
+    jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
+            for c in proposals]
+    results = compile_many(jobs, max_workers=workers or None) if jobs else []
+    out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0)
+    by_id = {r.id: r for r in plan.regions}
+    for cand, result in zip(proposals, results):
+        if isinstance(result, CompileError):
+            cand.compile_error = str(result)
+            by_id[cand.region_id].reason = f"compile error: {str(result).splitlines()[0]}"
+            trajectory.attempts.append(Attempt("generate", cand, None))
+            continue
+        cand.cubin = result.cubin
+        cand.compile_s = result.seconds
+        out.candidates[cand.region_id] = cand
+        trajectory.attempts.append(Attempt("generate", cand, None))
+    return out

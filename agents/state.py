@@ -1,0 +1,110 @@
+"""The typed state the agents pass along: Task -> Subtask -> Candidate -> Verdict.
+
+As in the StitchCUDA paper, one task (a graph) is split into subtasks (regions); the
+Coder proposes candidates for a subtask; the Verifier returns a verdict on each; every
+attempt is kept in a Trajectory, saved as JSON lines (the training data for the paper's
+two skills: task -> code, feedback -> improved code). Nothing here holds an API key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Task:
+    """One ATen graph to compile."""
+
+    graph: str            # e.g. "graph_0_forward"
+    key: str              # GraphKey digest
+    arch: str             # e.g. "sm_90a"
+    device: str
+
+
+@dataclass
+class Subtask:
+    """One region the Coder should implement."""
+
+    region_id: int
+    region_name: str
+    kind: str
+    ops: list[str]
+    module: Any = field(default=None, repr=False, compare=False)  # the region's GraphModule
+
+
+@dataclass
+class Candidate:
+    """A proposed implementation of one subtask."""
+
+    region_id: int
+    origin: str                       # "template" (trusted) or "llm" (untrusted)
+    name: str                         # kernel/entry name
+    source: str
+    signature: str = ""
+    kernel: Any = field(default=None, repr=False, compare=False)   # codegen.FusedKernel
+    cubin: bytes | None = field(default=None, repr=False, compare=False)
+    compile_s: float | None = None
+    compile_error: str | None = None
+
+    @property
+    def trusted(self) -> bool:
+        return self.origin == "template"
+
+
+@dataclass
+class Verdict:
+    """The Verifier's judgement, with the evidence."""
+
+    ok: bool
+    reason: str
+    correct: bool = False
+    max_abs: float | None = None
+    norm_err: float | None = None
+    eager_norm_err: float | None = None
+    draws: int = 0
+    degenerate: bool = False
+    candidate_ms: float | None = None
+    eager_ms: float | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.candidate_ms and self.eager_ms:
+            return self.eager_ms / self.candidate_ms
+        return None
+
+
+@dataclass
+class Attempt:
+    """One step of the loop: what was tried and what the Verifier said."""
+
+    action: str                 # "generate", "repair", "optimise", "replan"
+    candidate: Candidate
+    verdict: Verdict | None
+
+
+@dataclass
+class Trajectory:
+    """Every attempt made for one task, in order."""
+
+    task: Task
+    attempts: list[Attempt] = field(default_factory=list)
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One JSON-able record per attempt (sources included, binaries not)."""
+        out = []
+        for a in self.attempts:
+            cand = {k: v for k, v in asdict(a.candidate).items()
+                    if k not in ("kernel", "cubin")}
+            out.append({"task": asdict(self.task), "action": a.action, "candidate": cand,
+                        "verdict": asdict(a.verdict) if a.verdict else None})
+        return out
+
+    def save(self, path: Path) -> None:
+        """Append this trajectory's records to a JSONL file."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
+            for rec in self.to_records():
+                fh.write(json.dumps(rec, default=str) + "\n")

@@ -1,0 +1,182 @@
+"""The Verifier: every candidate is checked against eager ATen before it is used.
+
+Protocol (DESIGN.md): the real inputs plus at least three fresh draws of the same metas;
+outputs poisoned (NaN) before the candidate runs; every output element compared with
+eager and with an fp64 run by the project's correctness rule; shapes, strides and dtypes
+as eager's; references that barely depend on their inputs are detected and strengthened
+with wider draws; then timed with CUDA events (warm-up, median, L2 flushed) against the
+eager region in the same process. A candidate that is not faster is rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from stitch_backend.bench.compare import compare
+
+from .state import Verdict
+
+log = logging.getLogger("stitch_backend.agents.verifier")
+
+Fn = Callable[..., Sequence[Any]]
+
+
+@dataclass
+class VerifySettings:
+    draws: int = 3               # fresh draws besides the real inputs
+    wide_draws: int = 2          # extra draws when the reference looks degenerate
+    warmup: int = 5
+    runs: int = 50
+    require_speedup: bool = True
+    min_speedup: float = 1.0
+    flush_bytes: int = 256 << 20
+
+
+def fresh_draw(inputs: Sequence[Any], generator: torch.Generator, scale: float = 1.0,
+               negative: bool = False) -> list[Any]:
+    """Inputs of the same metas: floats redrawn around the real values' mean and spread
+    (times ``scale``; all negative with ``negative``), integers and bools shuffled (so
+    indices stay valid), scalars kept."""
+    out: list[Any] = []
+    for x in inputs:
+        if not isinstance(x, torch.Tensor):
+            out.append(x)
+            continue
+        if x.is_floating_point() and x.numel() > 0:
+            flat = x.detach().float()
+            mean = float(flat.mean()) if x.numel() else 0.0
+            std = float(flat.std()) if x.numel() > 1 else 1.0
+            if not math.isfinite(std) or std == 0.0:
+                std = 1.0
+            if not math.isfinite(mean):
+                mean = 0.0
+            noise = torch.randn(x.shape, generator=generator, device="cpu").to(x.device)
+            y = (noise * std * scale + mean)
+            if negative:
+                y = -y.abs()
+            new = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            new.copy_(y)
+            out.append(new)
+        elif x.numel() > 1:
+            perm = torch.randperm(x.numel(), generator=generator).to(x.device)
+            new = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            new.copy_(x.reshape(-1)[perm].reshape(x.shape))
+            out.append(new)
+        else:
+            out.append(x.clone())
+    return out
+
+
+def _upcast(inputs: Sequence[Any]) -> list[Any]:
+    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
+
+
+def _outputs_differ(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            scale = float(y.abs().max()) if y.numel() else 0.0
+            if float((x - y).abs().max() if x.numel() else 0.0) > 1e-6 * max(scale, 1e-12):
+                return True
+        elif isinstance(x, torch.Tensor):
+            if not torch.equal(x, y):
+                return True
+    return False
+
+
+def _poisoned(fn: Fn, inputs: Sequence[Any]) -> list[Any]:
+    return list(fn(*inputs))
+
+
+class Verifier:
+    """Checks a candidate callable against the eager region callable."""
+
+    def __init__(self, settings: VerifySettings | None = None):
+        self.settings = settings or VerifySettings()
+
+    def check(self, candidate: Fn, eager: Fn, inputs: Sequence[Any], *,
+              seed: int = 0) -> Verdict:
+        """Correctness and speed of ``candidate`` against ``eager`` on ``inputs`` and fresh
+        draws. ``candidate`` must poison (NaN-fill) its outputs before writing them; the
+        kernel runners do, and this is checked by the every-element comparison."""
+        s = self.settings
+        gen = torch.Generator().manual_seed(seed)
+        draws: list[list[Any]] = [list(inputs)]
+        draws += [fresh_draw(inputs, gen) for _ in range(s.draws)]
+        refs = [list(eager(*d)) for d in draws]
+        degenerate = not any(_outputs_differ(refs[0], r) for r in refs[1:])
+        if degenerate:
+            wide = [fresh_draw(inputs, gen, scale=10.0),
+                    fresh_draw(inputs, gen, negative=True)][: max(s.wide_draws, 0)]
+            for d in wide:
+                draws.append(d)
+                refs.append(list(eager(*d)))
+            degenerate = not any(_outputs_differ(refs[0], r) for r in refs[1:])
+        worst = None
+        for d, ref in zip(draws, refs):
+            try:
+                got = _poisoned(candidate, d)
+            except Exception as err:  # noqa: BLE001 - a failing candidate is a verdict
+                return Verdict(ok=False, reason=f"candidate raised {type(err).__name__}: {err}",
+                               draws=len(draws))
+            ref64 = None
+            if any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in d):
+                try:
+                    ref64 = list(eager(*_upcast(d)))
+                except Exception:  # noqa: BLE001 - some ops have no fp64 kernel
+                    ref64 = None
+            cmp = compare(got, ref, ref64)
+            if not cmp.ok_design:
+                return Verdict(ok=False, reason=f"wrong result: {cmp.reason}", correct=False,
+                               max_abs=cmp.max_abs, norm_err=cmp.norm_err,
+                               eager_norm_err=cmp.eager_norm_err, draws=len(draws),
+                               degenerate=degenerate)
+            if worst is None or cmp.max_abs > worst.max_abs:
+                worst = cmp
+        note = " (reference barely depends on its inputs, even on wide draws)" if degenerate else ""
+        verdict = Verdict(ok=True, reason="correct" + note, correct=True,
+                          max_abs=worst.max_abs if worst else None,
+                          norm_err=worst.norm_err if worst else None,
+                          eager_norm_err=worst.eager_norm_err if worst else None,
+                          draws=len(draws), degenerate=degenerate)
+        if not (torch.cuda.is_available() and _on_cuda(inputs)):
+            verdict.reason += "; not timed (no CUDA inputs)"
+            return verdict
+        verdict.candidate_ms = self.time(candidate, inputs)
+        verdict.eager_ms = self.time(eager, inputs)
+        speedup = verdict.speedup or 0.0
+        if s.require_speedup and speedup <= s.min_speedup:
+            verdict.ok = False
+            verdict.reason = (f"correct but not faster than eager "
+                              f"({verdict.candidate_ms:.4f} ms vs {verdict.eager_ms:.4f} ms)")
+        else:
+            verdict.reason = f"correct, {speedup:.2f}x eager" + note
+        return verdict
+
+    def time(self, fn: Fn, inputs: Sequence[Any]) -> float:
+        """Median milliseconds of ``fn(*inputs)`` with CUDA events, L2 flushed each run."""
+        s = self.settings
+        flush = torch.empty(s.flush_bytes // 4, dtype=torch.float32, device="cuda")
+        for _ in range(s.warmup):
+            fn(*inputs)
+        times = []
+        for _ in range(s.runs):
+            flush.fill_(1.0)  # evict L2 so every run reads its inputs from memory
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*inputs)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def _on_cuda(inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs)

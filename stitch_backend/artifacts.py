@@ -1,0 +1,191 @@
+"""Compiled Programs in the artifact cache: what is stored, and the warm start.
+
+A cache entry for one graph holds its plan (with every region's verdict and reason),
+the cubin and CUDA source of every accepted kernel, and a report. On a hit, the Coder
+regenerates each kernel's source (milliseconds, no compiler), the source must hash to
+what was stored, and the stored cubin is loaded: no nvcc, no verification (the entry was
+verified end to end before it was stored). Weights are graph inputs: nothing of the
+user's data is stored.
+
+Concurrency: a process that misses holds the entry's lock from compile until its first
+call has verified and stored the Program, so N processes compiling one graph build it
+once. A lock wait that times out, or a graph this process is already building, builds
+without the cache rather than waiting forever.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ir import Plan, RegionKind
+
+log = logging.getLogger("stitch_backend.artifacts")
+
+_building: set[str] = set()
+_building_guard = threading.Lock()
+
+
+def sha256(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class CacheSlot:
+    """This process's claim on one key while it builds the entry."""
+
+    store: Any
+    key: str
+    lock: Any = None
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        with _building_guard:
+            _building.discard(self.key)
+        if self.lock is not None:
+            try:
+                self.lock.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - releasing must never fail the user
+                pass
+
+
+@dataclass
+class WarmStart:
+    """What a cache hit gives the backend."""
+
+    runners: dict[int, Any] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def open_store(cache_dir: str, trusted_shared: bool = False):
+    from stitch_backend.cache import Store
+
+    return Store(cache_dir or None, trusted_shared=trusted_shared)
+
+
+def claim(store, key: str, timeout: float = 600.0) -> tuple[Any, CacheSlot | None]:
+    """Look ``key`` up; on a miss, take the build lock and look again.
+
+    Returns (entry, None) on a hit, (None, slot) when this process should build and
+    store, and (None, None) when the cache cannot be used (reason logged)."""
+    from stitch_backend.cache import CacheError
+
+    try:
+        entry = store.get(key)
+        if entry is not None:
+            return entry, None
+        with _building_guard:
+            if key in _building:
+                log.info("graph %s is already being built in this process; not caching this copy",
+                         key[:12])
+                return None, None
+            _building.add(key)
+        slot = CacheSlot(store=store, key=key)
+        slot.lock = store.lock(key, timeout=timeout)
+        slot.lock.__enter__()
+        entry = store.get(key)
+        if entry is not None:
+            slot.release()
+            return entry, None
+        return None, slot
+    except CacheError as err:
+        with _building_guard:
+            _building.discard(key)
+        log.warning("stitchcuda cache unavailable (%s); compiling without it", err)
+        return None, None
+
+
+def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict[str, bytes]]:
+    """The manifest and artifacts that describe ``program`` (accepted kernels only)."""
+    plan: Plan = program.plan
+    blobs: dict[str, bytes] = {}
+    kernels = []
+    for region in plan.regions:
+        if region.backend != "kernel":
+            continue
+        cand = candidates[region.id]
+        stem = f"r{region.id}_{cand.name}"
+        blobs[f"{stem}.cubin"] = cand.cubin
+        blobs[f"{stem}.cu"] = cand.source.encode()
+        kernels.append({"region": region.id, "name": cand.name, "entry": cand.kernel.entry,
+                        "source_sha256": sha256(cand.source), "cubin": f"{stem}.cubin",
+                        "source": f"{stem}.cu", "speedup": region.speedup})
+    manifest = {
+        "graph": plan.graph_name,
+        "stage": record.stage,
+        "plan": plan.to_json(),
+        "kernels": kernels,
+        "timings": {"compile_ms": round(record.compile_ms, 3)},
+        "report": {"regions": [{"id": r.id, "kind": r.kind.value, "ops": r.ops,
+                                "reason": r.reason, "kernel": r.kernel, "speedup": r.speedup}
+                               for r in plan.regions]},
+    }
+    return manifest, blobs
+
+
+def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int) -> WarmStart | None:
+    """Rebuild the kernels of a cached entry for ``plan``; None (with a warning) when the
+    entry does not fit this graph, so the caller compiles afresh."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import Subtask
+    from stitch_backend.kernels import KernelRunner
+
+    from .regions import region_module
+
+    manifest = entry.manifest
+    try:
+        stored = Plan.from_json(manifest["plan"])
+    except (KeyError, ValueError, TypeError) as err:
+        log.warning("cache entry %s has no readable plan (%s); rebuilding", entry.key[:12], err)
+        return None
+    shape = [(r.kind, r.ops, r.nodes) for r in plan.regions]
+    if shape != [(r.kind, r.ops, r.nodes) for r in stored.regions]:
+        log.warning("cache entry %s was planned differently; rebuilding", entry.key[:12])
+        return None
+    coder = TemplateCoder(sm_count=sm_count)
+    runners: dict[int, Any] = {}
+    for k in manifest.get("kernels", []):
+        region = plan.regions[k["region"]]
+        sub = Subtask(region_id=region.id, region_name=f"{task_graph}_{region.name}",
+                      kind=region.kind.value, ops=region.ops, module=region_module(gm, region))
+        try:
+            cand = coder.propose(sub)
+        except Exception as err:  # noqa: BLE001
+            log.warning("cache entry %s: cannot regenerate %s (%s); rebuilding",
+                        entry.key[:12], k["name"], err)
+            return None
+        if sha256(cand.source) != k["source_sha256"]:
+            log.warning("cache entry %s: kernel %s source changed; rebuilding",
+                        entry.key[:12], k["name"])
+            return None
+        cand.cubin = entry.read(k["cubin"])
+        runners[region.id] = KernelRunner(cand)
+    for r, s in zip(plan.regions, stored.regions):
+        r.backend, r.kernel, r.speedup, r.time_ms, r.reason = (
+            s.backend, s.kernel, s.speedup, s.time_ms, s.reason)
+    return WarmStart(runners=runners, manifest=manifest)
+
+
+def store_program(slot: CacheSlot, program, record, candidates: dict[int, Any]) -> None:
+    """Publish the verified Program under the slot's key and release the lock."""
+    from stitch_backend.cache import CacheError
+
+    try:
+        manifest, blobs = manifest_of(program, record, candidates)
+        slot.store.put(slot.key, manifest, blobs)
+        record.notes.append(f"stored in the cache as {slot.key[:12]}")
+    except (CacheError, OSError, ValueError) as err:
+        log.warning("could not store graph %s in the cache: %s", slot.key[:12], err)
+    finally:
+        slot.release()
+
+
+def generated_regions(plan: Plan) -> int:
+    return sum(1 for r in plan.regions if r.kind is not RegionKind.FALLBACK and r.backend != "aten")

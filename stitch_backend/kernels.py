@@ -1,0 +1,52 @@
+"""Running a compiled candidate kernel in place of its region.
+
+A ``KernelRunner`` loads the candidate's cubin once (driver API, no torch headers),
+and on each call lets the kernel's launch rule allocate the outputs and pack the raw
+arguments, then launches on torch's current stream. With ``poison=True`` (the Verifier's
+runs) every output is filled with NaN (or an integer sentinel) first, so an element the
+kernel forgets to write cannot pass the comparison.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+_INT_POISON = -7777777
+
+
+class KernelRunner:
+    """Callable with the region's inputs, returning its outputs (a list of tensors)."""
+
+    def __init__(self, candidate: Any, *, poison: bool = False):
+        from .cuda_driver import CudaModule
+
+        if candidate.cubin is None:
+            raise ValueError(f"candidate {candidate.name} has no cubin")
+        self.candidate = candidate
+        self.kernel = candidate.kernel
+        self.poison = poison
+        self._module = CudaModule(candidate.cubin)
+        self._fn = self._module.function(candidate.kernel.entry, candidate.kernel.signature)
+
+    def poisoning(self) -> "KernelRunner":
+        """A runner over the same loaded module that poisons its outputs first."""
+        twin = object.__new__(KernelRunner)
+        twin.__dict__.update(self.__dict__)
+        twin.poison = True
+        return twin
+
+    def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
+        launch = self.kernel.prepare(inputs)
+        if self.poison:
+            for out in launch.outputs:
+                if out.is_floating_point():
+                    out.fill_(float("nan"))
+                elif out.dtype == torch.bool:
+                    out.fill_(True)
+                else:
+                    out.fill_(_INT_POISON)
+        if launch.grid[0] * launch.grid[1] * launch.grid[2] > 0:
+            self._fn.launch(launch.grid, launch.block, launch.args, launch.shared_mem)
+        return launch.outputs
