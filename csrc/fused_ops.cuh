@@ -1,0 +1,205 @@
+// csrc/fused_ops.cuh: device helpers for the generated fused-region kernels
+// (stitch_backend/codegen/emit_cuda.py). Header-only, no torch headers, nvcc and NVRTC.
+//
+// Everything here is `sfk_*` and generic over the value type (float, double, integers,
+// bool), which the generated code needs and common.cuh (fp32-only helpers, `sc_*`) does
+// not provide. Semantics follow PyTorch's CUDA kernels; reductions are deterministic
+// (fixed shuffle / shared-memory trees, no atomics on floating-point values).
+#pragma once
+
+#include "common.cuh"
+
+// ----------------------------------------------------------------------------- conversions
+
+// sfk_val: a stored element as the value the kernel computes with (halves widen to float).
+__device__ __forceinline__ float sfk_val(__half x) { return __half2float(x); }
+__device__ __forceinline__ float sfk_val(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T sfk_val(T x) { return x; }
+
+// sfk_cvt<S>: a computed value as the stored type S (halves round to nearest even).
+template <typename S, typename V> __device__ __forceinline__ S sfk_cvt(V v) { return static_cast<S>(v); }
+template <> __device__ __forceinline__ __half sfk_cvt<__half, float>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 sfk_cvt<__nv_bfloat16, float>(float v) { return __float2bfloat16_rn(v); }
+
+// sfk_round_f16 / sfk_round_bf16: the float eager would get back after storing x as fp16/bf16.
+__device__ __forceinline__ float sfk_round_f16(float x) { return __half2float(__float2half_rn(x)); }
+__device__ __forceinline__ float sfk_round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+
+#define SFK_INF_F __int_as_float(0x7f800000)
+#define SFK_NAN_F __int_as_float(0x7fffffff)
+#define SFK_INF_D __longlong_as_double(0x7ff0000000000000LL)
+#define SFK_NAN_D __longlong_as_double(0x7fffffffffffffffLL)
+
+// ----------------------------------------------------------------------------- pointwise math
+
+template <typename T> __device__ __forceinline__ bool sfk_isnan(T x) { return x != x; }
+
+// NaN-propagating maximum/minimum (torch.maximum / amax); integers: plain.
+__device__ __forceinline__ float sfk_maximum(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
+__device__ __forceinline__ float sfk_minimum(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
+__device__ __forceinline__ double sfk_maximum(double a, double b) { return a != a ? a : (b != b ? b : fmax(a, b)); }
+__device__ __forceinline__ double sfk_minimum(double a, double b) { return a != a ? a : (b != b ? b : fmin(a, b)); }
+template <typename T> __device__ __forceinline__ T sfk_maximum(T a, T b) { return a < b ? b : a; }
+template <typename T> __device__ __forceinline__ T sfk_minimum(T a, T b) { return b < a ? b : a; }
+
+// torch.div(a, b, rounding_mode='floor') (ATen's div_floor_floating for floats).
+template <typename T> __device__ __forceinline__ T sfk_div_floor_fp(T a, T b) {
+  if (b == T(0)) return a / b;
+  T mod = fmod(a, b);
+  T div = (a - mod) / b;
+  if (mod != T(0) && ((b < T(0)) != (mod < T(0)))) div -= T(1);
+  T floordiv;
+  if (div != T(0)) {
+    floordiv = floor(div);
+    if (div - floordiv > T(0.5)) floordiv += T(1);
+  } else {
+    floordiv = copysign(T(0), a / b);
+  }
+  return floordiv;
+}
+__device__ __forceinline__ float sfk_div_floor(float a, float b) { return sfk_div_floor_fp<float>(a, b); }
+__device__ __forceinline__ double sfk_div_floor(double a, double b) { return sfk_div_floor_fp<double>(a, b); }
+template <typename T> __device__ __forceinline__ T sfk_div_floor(T a, T b) {
+  T q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? T(q - 1) : q;
+}
+
+// torch.remainder (Python's modulo: the result has the sign of b).
+__device__ __forceinline__ float sfk_remainder(float a, float b) {
+  float m = fmodf(a, b);
+  return (m != 0.f && ((b < 0.f) != (m < 0.f))) ? m + b : m;
+}
+__device__ __forceinline__ double sfk_remainder(double a, double b) {
+  double m = fmod(a, b);
+  return (m != 0.0 && ((b < 0.0) != (m < 0.0))) ? m + b : m;
+}
+template <typename T> __device__ __forceinline__ T sfk_remainder(T a, T b) {
+  T m = a % b;
+  return (m != 0 && ((b < 0) != (m < 0))) ? T(m + b) : m;
+}
+
+template <typename T> __device__ __forceinline__ T sfk_sign(T a) { return T((T(0) < a) - (a < T(0))); }
+template <typename T> __device__ __forceinline__ T sfk_abs(T a) { return a < T(0) ? T(-a) : a; }
+__device__ __forceinline__ float sfk_abs(float a) { return fabsf(a); }
+__device__ __forceinline__ double sfk_abs(double a) { return fabs(a); }
+template <typename T> __device__ __forceinline__ T sfk_relu(T a) { return a <= T(0) ? T(0) : a; }
+
+__device__ __forceinline__ double sfk_gelu_erf(double x) { return x * 0.5 * (1.0 + erf(x * 0.70710678118654752440)); }
+__device__ __forceinline__ float sfk_gelu_erf(float x) { return sc_gelu_erf(x); }
+__device__ __forceinline__ double sfk_gelu_tanh(double x) {
+  const double beta = 0.79788456080286535588, kappa = 0.044715;
+  return 0.5 * x * (1.0 + tanh(beta * (x + kappa * x * x * x)));
+}
+__device__ __forceinline__ float sfk_gelu_tanh(float x) { return sc_gelu_tanh(x); }
+__device__ __forceinline__ float sfk_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ double sfk_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+// ----------------------------------------------------------------------------- reduction ops
+
+template <typename T> struct sfk_op_sum {
+  __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+template <typename T> struct sfk_op_prod {
+  __device__ __forceinline__ T operator()(T a, T b) const { return a * b; }
+};
+template <typename T> struct sfk_op_max {
+  __device__ __forceinline__ T operator()(T a, T b) const { return sfk_maximum(a, b); }
+};
+template <typename T> struct sfk_op_min {
+  __device__ __forceinline__ T operator()(T a, T b) const { return sfk_minimum(a, b); }
+};
+struct sfk_op_any {
+  __device__ __forceinline__ bool operator()(bool a, bool b) const { return a || b; }
+};
+struct sfk_op_all {
+  __device__ __forceinline__ bool operator()(bool a, bool b) const { return a && b; }
+};
+
+// (value, position) for argmax/argmin: first extremum wins, NaN counts as the extremum
+// (torch.argmax semantics). The combine is symmetric, so every lane of a butterfly agrees.
+template <typename T> struct sfk_argpair {
+  T v;
+  long long i;
+};
+template <typename T, bool MAX> struct sfk_op_arg {
+  __device__ __forceinline__ sfk_argpair<T> operator()(sfk_argpair<T> a, sfk_argpair<T> b) const {
+    const bool an = sfk_isnan(a.v), bn = sfk_isnan(b.v);
+    if (an || bn) {
+      if (an && bn) return a.i < b.i ? a : b;
+      return an ? a : b;
+    }
+    if (a.v == b.v) return a.i < b.i ? a : b;
+    return (MAX ? (a.v > b.v) : (a.v < b.v)) ? a : b;
+  }
+};
+
+// ----------------------------------------------------------------------------- shuffles
+
+template <typename T> __device__ __forceinline__ T sfk_shfl_xor(T v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+template <> __device__ __forceinline__ bool sfk_shfl_xor<bool>(bool v, int m) {
+  return __shfl_xor_sync(0xffffffffu, (int)v, m) != 0;
+}
+template <> __device__ __forceinline__ signed char sfk_shfl_xor<signed char>(signed char v, int m) {
+  return (signed char)__shfl_xor_sync(0xffffffffu, (int)v, m);
+}
+template <> __device__ __forceinline__ unsigned char sfk_shfl_xor<unsigned char>(unsigned char v, int m) {
+  return (unsigned char)__shfl_xor_sync(0xffffffffu, (int)v, m);
+}
+template <> __device__ __forceinline__ short sfk_shfl_xor<short>(short v, int m) {
+  return (short)__shfl_xor_sync(0xffffffffu, (int)v, m);
+}
+template <typename T> __device__ __forceinline__ sfk_argpair<T> sfk_shfl_xor(sfk_argpair<T> p, int m) {
+  sfk_argpair<T> out;
+  out.v = sfk_shfl_xor(p.v, m);
+  out.i = __shfl_xor_sync(0xffffffffu, p.i, m);
+  return out;
+}
+
+// sfk_group_reduce: reduce `v` over the TK = 2^log2_tk threads of one row group and give
+// every thread of the group the result (bit-identical in all of them).
+//   inner layout:  group = TK consecutive threads (tk = threadIdx.x % TK);
+//   column layout: group = threads with equal threadIdx.x % RB (RB = blockDim.x / TK).
+// Every thread of the block must call it (it may __syncthreads). `smem` holds at least
+// blockDim.x values of T. Safe to call back to back with the same smem.
+template <typename T, typename Op>
+__device__ __forceinline__ T sfk_group_reduce(T v, Op op, int log2_tk, bool inner, T* smem) {
+  const int TK = 1 << log2_tk;
+  if (TK == 1) return v;
+  if (inner) {
+    const int w = TK < 32 ? TK : 32;
+#pragma unroll 1
+    for (int m = w >> 1; m > 0; m >>= 1) v = op(v, sfk_shfl_xor(v, m));
+    if (TK <= 32) return v;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) smem[warp] = v;
+    __syncthreads();
+    const int nw = TK >> 5, first = (warp / nw) * nw;
+    T acc = smem[first];
+    for (int j = 1; j < nw; ++j) acc = op(acc, smem[first + j]);
+    return acc;
+  }
+  const int RB = blockDim.x >> log2_tk, tr = threadIdx.x % RB;
+  __syncthreads();
+  smem[threadIdx.x] = v;
+  __syncthreads();
+  T acc = smem[tr];
+  for (int j = 1; j < TK; ++j) acc = op(acc, smem[j * RB + tr]);
+  return acc;
+}
+
+// ----------------------------------------------------------------------------- vector access
+
+// sfk_vec<T, N>: N elements moved by one aligned access of N * sizeof(T) (<= 16) bytes.
+template <typename T, int N> struct alignas(sizeof(T) * N) sfk_vec {
+  T v[N];
+};
+template <int N, typename T> __device__ __forceinline__ sfk_vec<T, N> sfk_ldv(const T* p) {
+  return *reinterpret_cast<const sfk_vec<T, N>*>(p);
+}
+template <int N, typename T> __device__ __forceinline__ void sfk_stv(T* p, const sfk_vec<T, N>& x) {
+  *reinterpret_cast<sfk_vec<T, N>*>(p) = x;
+}
+__device__ __forceinline__ bool sfk_aligned(const void* p, unsigned bytes) {
+  return (reinterpret_cast<unsigned long long>(p) & (unsigned long long)(bytes - 1)) == 0;
+}
