@@ -1,0 +1,127 @@
+"""The backends a bench run can compare, and how each wraps a model.
+
+``eager`` is the model itself; the others go through ``torch.compile``. ``stitchcuda`` is
+looked up through Dynamo's registry (the ``torch_dynamo_backends`` entry point); when the
+package is not installed with its entry point, it is imported from
+``stitch_backend.backend`` instead and the record says so (``source``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+#: name -> (torch.compile backend, torch.compile mode)
+BUILTIN: dict[str, tuple[str | None, str | None]] = {
+    "eager": (None, None),
+    "aot_eager": ("aot_eager", None),
+    "inductor": ("inductor", None),
+    "inductor-reduce-overhead": ("inductor", "reduce-overhead"),
+    "inductor-max-autotune": ("inductor", "max-autotune"),
+    "stitchcuda": ("stitchcuda", None),
+}
+DEFAULT_BACKENDS = ("eager", "inductor", "stitchcuda")
+
+
+class UnknownBackendError(ValueError):
+    """A backend name that is neither built into the bench nor registered with Dynamo."""
+
+
+@dataclass
+class Compiled:
+    """A model wrapped for one backend: call ``fn``; ``backend_obj`` is what Dynamo got."""
+
+    name: str
+    fn: Callable[..., Any]
+    backend_obj: Any
+    source: str            # where the backend came from, for the record
+
+
+def validate_backends(names: list[str]) -> list[str]:
+    """The names, de-duplicated, with ``eager`` first (it is the baseline every ratio
+    needs). Unknown names raise ``UnknownBackendError`` listing the valid ones."""
+    import torch._dynamo
+
+    registered = set(torch._dynamo.list_backends(exclude_tags=()))
+    out: list[str] = ["eager"]
+    for n in names:
+        n = n.strip()
+        if not n or n in out:
+            continue
+        if n not in BUILTIN and n not in registered:
+            raise UnknownBackendError(
+                f"unknown backend {n!r}; valid: {', '.join(BUILTIN)} or a Dynamo backend "
+                f"({', '.join(sorted(registered))})")
+        out.append(n)
+    return out
+
+
+def resolve_dynamo_backend(name: str) -> tuple[Any, str]:
+    """(backend callable or name for ``torch.compile``, where it came from)."""
+    import torch._dynamo
+
+    if name != "stitchcuda":
+        return name, "torch._dynamo registry"
+    try:
+        return torch._dynamo.lookup_backend("stitchcuda"), "entry point torch_dynamo_backends"
+    except Exception as exc:   # not registered, or its module failed to import
+        lookup_error = f"{type(exc).__name__}: {exc}"
+    try:
+        module = importlib.import_module("stitch_backend.backend")
+    except Exception as exc:
+        raise RuntimeError(f"stitchcuda backend unavailable: lookup failed ({lookup_error}); "
+                           f"import stitch_backend.backend failed ({type(exc).__name__}: {exc})") from exc
+    return module.stitchcuda, f"stitch_backend.backend:stitchcuda (lookup failed: {lookup_error})"
+
+
+def wrap(name: str, model: torch.nn.Module) -> Compiled:
+    """Wrap ``model`` for backend ``name`` (compilation itself happens on the first call)."""
+    backend, mode = BUILTIN.get(name, (name, None))
+    if backend is None:
+        return Compiled(name, model, None, "eager (no compile)")
+    obj, source = resolve_dynamo_backend(backend)
+    kwargs: dict[str, Any] = {"backend": obj}
+    if mode is not None:
+        kwargs["mode"] = mode
+    return Compiled(name, torch.compile(model, **kwargs), obj, source)
+
+
+def graph_count_marker(compiled: Compiled) -> int:
+    """How many process-wide records the backend's module holds now (see ``backend_records``)."""
+    fn = _module_records_fn(compiled.backend_obj)
+    return len(fn()) if fn is not None else 0
+
+
+def backend_records(compiled: Compiled, since: int = 0) -> list[Any] | None:
+    """The backend's own report as JSON-able values, or None if it keeps none.
+
+    Uses ``backend_obj.records`` when the backend object has it; otherwise the
+    process-wide ``compiled_graphs()`` of the backend's module (records made after
+    marker ``since``). Each record is ``to_dict()``-ed when it offers that, else ``repr``-ed.
+    """
+    records = getattr(compiled.backend_obj, "records", None)
+    if records is None:
+        fn = _module_records_fn(compiled.backend_obj)
+        if fn is None:
+            return None
+        records = fn()[since:]
+    out: list[Any] = []
+    for rec in records:
+        to_dict = getattr(rec, "to_dict", None)
+        try:
+            out.append(to_dict() if callable(to_dict) else repr(rec))
+        except Exception as exc:           # a report must never cost the measurement
+            out.append(f"<unreportable record: {type(exc).__name__}: {exc}>")
+    return out
+
+
+def _module_records_fn(obj: Any) -> Callable[[], list[Any]] | None:
+    if obj is None or isinstance(obj, str):
+        return None
+    module = inspect.getmodule(obj)
+    fn = getattr(module, "compiled_graphs", None) if module is not None else None
+    return fn if callable(fn) else None

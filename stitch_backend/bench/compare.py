@@ -1,0 +1,187 @@
+"""The correctness rule: a candidate's output against eager's and against an fp64 run.
+
+Two verdicts from one comparison:
+
+- KernelBench's: every output has eager's shape and dtype and
+  ``torch.allclose(out, eager, atol, rtol)`` (fp32: 1e-4; fp16/bf16: 1e-2; NaN anywhere
+  fails, as ``allclose`` without ``equal_nan`` does in KernelBench).
+- DESIGN.md's: per output, within the same tolerance of eager, or a normalised max error
+  against the fp64 reference at most ``factor`` (2) times eager's own; NaN/Inf only
+  where eager has them; shapes, dtypes and strides (of dimensions longer than 1) as
+  eager's. Normalised max error = max|x - fp64| / max|fp64| (plain max|x - fp64| when the
+  reference is all zero).
+
+Torch only: the Verifier may reuse this module, so it imports nothing from the backend.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
+_DEFAULT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One candidate output judged against eager (and fp64); ``reason`` says why."""
+
+    ok_kernelbench: bool
+    ok_design: bool
+    max_abs: float          # max |out - eager| over all outputs (inf on shape/NaN mismatch)
+    norm_err: float         # max over outputs of out's normalised error vs fp64 (nan: no fp64)
+    eager_norm_err: float   # the same for eager (nan: no fp64)
+    reason: str
+
+
+def flatten_outputs(x: Any) -> list[Any]:
+    """Leaves of a model output in a fixed order (tuples, lists, dicts by insertion order)."""
+    if isinstance(x, (tuple, list)):
+        return [leaf for item in x for leaf in flatten_outputs(item)]
+    if isinstance(x, dict):
+        return [leaf for item in x.values() for leaf in flatten_outputs(item)]
+    return [x]
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """atol = rtol used for outputs of ``dtype`` (fp32/fp64: 1e-4, fp16/bf16: 1e-2)."""
+    return _TOLERANCE.get(dtype, _DEFAULT_TOLERANCE)
+
+
+def compare(out: Any, ref_eager: Any, ref_fp64: Any | None, *, factor: float = 2.0,
+            tol: float | None = None) -> Comparison:
+    """Judge ``out`` (a tensor or nested tuple/list/dict of them) against eager's output and
+    the fp64 run's (``None`` when there is none: the DESIGN rule then needs 1e-4 of eager).
+
+    ``tol`` overrides the per-dtype tolerance. Never raises on mismatched outputs: the
+    mismatch is the verdict's reason.
+    """
+    outs, eagers = flatten_outputs(out), flatten_outputs(ref_eager)
+    fp64s = flatten_outputs(ref_fp64) if ref_fp64 is not None else None
+    if len(outs) != len(eagers):
+        return Comparison(False, False, math.inf, math.nan, math.nan,
+                          f"{len(outs)} outputs, eager returns {len(eagers)}")
+    if fp64s is not None and len(fp64s) != len(eagers):
+        fp64s = None                    # judged as "no fp64 reference" below, with the why
+        no_fp64_why = f"fp64 run returned {len(flatten_outputs(ref_fp64))} outputs"
+    else:
+        no_fp64_why = "no fp64 reference"
+
+    ok_kb = ok_design = True
+    max_abs = 0.0
+    norm_err = eager_norm_err = math.nan if fp64s is None else 0.0
+    failures: list[str] = []
+    passes: list[str] = []
+    for i, (o, e) in enumerate(zip(outs, eagers)):
+        r = fp64s[i] if fp64s is not None else None
+        leaf = _compare_leaf(o, e, r, factor=factor, tol=tol, no_fp64_why=no_fp64_why)
+        ok_kb &= leaf.ok_kernelbench
+        ok_design &= leaf.ok_design
+        max_abs = _nanmax(max_abs, leaf.max_abs)
+        if fp64s is not None:
+            norm_err = _nanmax(norm_err, leaf.norm_err)
+            eager_norm_err = _nanmax(eager_norm_err, leaf.eager_norm_err)
+        label = f"output {i}: " if len(outs) > 1 else ""
+        (passes if leaf.ok_kernelbench and leaf.ok_design else failures).append(label + leaf.reason)
+    reason = "; ".join(failures[:3]) + (f"; ... {len(failures) - 3} more" if len(failures) > 3 else "")
+    if not failures:
+        reason = passes[0] if len(passes) == 1 else f"all {len(passes)} outputs: " + "; ".join(
+            sorted(set(p.split(": ", 1)[-1] for p in passes)))
+    return Comparison(ok_kb, ok_design, max_abs, norm_err, eager_norm_err, reason)
+
+
+def _compare_leaf(o: Any, e: Any, r: Any, *, factor: float, tol: float | None,
+                  no_fp64_why: str) -> Comparison:
+    nan = math.nan
+    if not isinstance(e, torch.Tensor) or not isinstance(o, torch.Tensor):
+        if isinstance(e, torch.Tensor) != isinstance(o, torch.Tensor):
+            return Comparison(False, False, math.inf, nan, nan,
+                              f"{type(o).__name__} where eager returns {type(e).__name__}")
+        same = o == e or (isinstance(o, float) and isinstance(e, float)
+                          and math.isclose(o, e, rel_tol=_DEFAULT_TOLERANCE,
+                                           abs_tol=_DEFAULT_TOLERANCE))
+        return Comparison(bool(same), bool(same), 0.0 if same else math.inf, 0.0, 0.0,
+                          "equal non-tensor output" if same else f"{o!r} != eager's {e!r}")
+    if o.shape != e.shape:
+        return Comparison(False, False, math.inf, nan, nan,
+                          f"shape {tuple(o.shape)} != eager's {tuple(e.shape)}")
+    if o.dtype != e.dtype:
+        return Comparison(False, False, math.inf, nan, nan, f"dtype {o.dtype} != eager's {e.dtype}")
+    t = tol if tol is not None else tolerance_for(e.dtype)
+    o_, e_ = o.detach(), e.detach().to(o.device)
+
+    if not (e_.is_floating_point() or e_.is_complex()):
+        equal = torch.equal(o_, e_)
+        return Comparison(equal, equal, 0.0 if equal else math.inf, 0.0, 0.0,
+                          "equal" if equal else "integer/bool output differs from eager")
+
+    ok_kb = bool(torch.allclose(o_, e_, atol=t, rtol=t))
+    od, ed = o_.double(), e_.double()
+    o_fin, e_fin = torch.isfinite(od), torch.isfinite(ed)
+    same_nonfinite = (torch.isnan(od) & torch.isnan(ed)) | (torch.isinf(od) & (od == ed))
+    both_fin = o_fin & e_fin
+    diff = torch.where(both_fin, (od - ed).abs(), torch.zeros_like(od))
+    diff = torch.where(~both_fin & ~same_nonfinite, torch.full_like(od, math.inf), diff)
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+
+    # NaN/Inf only where eager has the same.
+    bad_nonfinite = ~o_fin & ~same_nonfinite
+    n_bad = int(bad_nonfinite.sum())
+    stride_why = _stride_mismatch(o_, e_)
+    if n_bad or stride_why:
+        why = (f"{n_bad} NaN/Inf where eager has none" if n_bad else stride_why)
+        norm, enorm = _norm_errors(od, ed, r, e_fin)
+        return Comparison(ok_kb and not n_bad, False, max_abs, norm, enorm, why)
+
+    within = bool(((od - ed).abs() <= t + t * ed.abs())[e_fin].all()) if e_fin.any() else True
+    norm, enorm = _norm_errors(od, ed, r, e_fin)
+    if within:
+        return Comparison(ok_kb, True, max_abs, norm, enorm, f"within {t:g} of eager")
+    if r is None or math.isnan(norm):
+        why = no_fp64_why if r is None else "fp64 reference unusable (shape/values)"
+        return Comparison(ok_kb, False, max_abs, norm, enorm,
+                          f"max |diff| {max_abs:.3g} beyond {t:g} of eager and {why}")
+    if norm <= factor * enorm:
+        return Comparison(ok_kb, True, max_abs, norm, enorm,
+                          f"beyond {t:g} of eager (max |diff| {max_abs:.3g}) but as close to fp64 "
+                          f"as eager: norm err {norm:.3g} <= {factor:g} x eager's {enorm:.3g}")
+    return Comparison(ok_kb, False, max_abs, norm, enorm,
+                      f"max |diff| {max_abs:.3g} beyond {t:g} of eager; norm err vs fp64 "
+                      f"{norm:.3g} > {factor:g} x eager's {enorm:.3g}")
+
+
+def _norm_errors(od: torch.Tensor, ed: torch.Tensor, r: Any,
+                 e_fin: torch.Tensor) -> tuple[float, float]:
+    """(out's, eager's) normalised max error vs fp64 over positions where eager and the
+    reference are finite; (nan, nan) without a usable reference."""
+    if not isinstance(r, torch.Tensor) or r.shape != od.shape:
+        return math.nan, math.nan
+    rd = r.detach().to(od.device).double()
+    mask = e_fin & torch.isfinite(rd) & torch.isfinite(od)
+    if not mask.any():
+        return 0.0, 0.0
+    rm = rd[mask]
+    scale = float(rm.abs().max())
+    scale = scale if scale > 0 else 1.0
+    return (float((od[mask] - rm).abs().max()) / scale, float((ed[mask] - rm).abs().max()) / scale)
+
+
+def _stride_mismatch(o: torch.Tensor, e: torch.Tensor) -> str:
+    """Why strides differ (ignoring dimensions of size 1, whose stride means nothing), or ''."""
+    if o.layout != torch.strided or e.layout != torch.strided:
+        return ""
+    so = [s for s, n in zip(o.stride(), o.shape) if n > 1]
+    se = [s for s, n in zip(e.stride(), e.shape) if n > 1]
+    return "" if so == se else f"strides {tuple(o.stride())} != eager's {tuple(e.stride())}"
+
+
+def _nanmax(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return max(a, b)

@@ -1,0 +1,271 @@
+"""Drive a bench run: one child process per task, records appended, summary at the end.
+
+A task that crashes, hangs past its timeout or raises costs its own rows, never the
+run. Each child may get fresh compile caches (``caches="fresh"``: Inductor, Triton and
+stitchcuda cache directories in a temporary folder removed afterwards), so the first
+call's time is a cold compile; ``caches="keep"`` leaves the environment's caches alone
+(a warm-start measurement when they are already filled).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from .metrics import BackendSummary, TaskResult, latest_runs, summarise
+from .problems import ProblemRef
+from .records import CRASH, TIMEOUT, BenchRecord, append_records, read_records
+from .report import render_markdown, write_plot
+from .worker import TaskConfig
+
+log = logging.getLogger("stitch_backend.bench.runner")
+
+RESULTS_NAME = "results.jsonl"
+SUMMARY_NAME = "summary.md"
+PLOT_NAME = "speedups.png"
+STDERR_TAIL_CHARS = 4000
+
+
+@dataclass
+class BenchConfig:
+    """A whole run's settings (the CLI's flags, resolved)."""
+
+    backends: list[str]              # eager first (validate_backends ensures it)
+    device: str = "cpu"
+    mode: str = "train"
+    trials: int = 5
+    runs: int = 10
+    warmup: int = 2
+    timeout_s: float = 600.0
+    out_dir: Path = Path("bench-out")
+    resume: bool = False
+    report_only: bool = False        # run nothing: summarise OUT/results.jsonl as it is
+    seed: int = 42
+    caches: str = "fresh"            # "fresh" or "keep"
+    recompile: bool = True
+    plot: bool = True
+    progress: bool = True
+    python: str = sys.executable
+
+
+@dataclass
+class BenchResult:
+    """What a run produced; ``markdown`` is also in ``summary_path``."""
+
+    results: list[TaskResult]
+    summaries: list[BackendSummary]
+    markdown: str
+    results_path: Path
+    summary_path: Path
+    plot_note: str
+    skipped: list[str] = field(default_factory=list)     # tasks skipped by --resume
+    notes: list[str] = field(default_factory=list)
+
+
+def _package_root() -> Path:
+    import stitch_backend
+    return Path(stitch_backend.__file__).resolve().parent.parent
+
+
+def _child_env(cfg: BenchConfig, tmp: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # The child must import this same stitch_backend even when it is not installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_package_root()), env.get("PYTHONPATH")) if p)
+    if cfg.caches == "fresh":
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor-cache")
+        env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+        env["STITCHCUDA_CACHE_DIR"] = str(tmp / "stitchcuda-cache")
+    return env
+
+
+def _tail(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")[-STDERR_TAIL_CHARS:]
+    except OSError:
+        return ""
+
+
+def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str) -> list[BenchRecord]:
+    """Run one task in a child process; a record for every backend, the child's own or
+    a timeout/crash record carrying the tail of its stderr."""
+    task_cfg = TaskConfig(spec=ref.spec, name=ref.name, backends=list(cfg.backends),
+                          device=cfg.device, mode=cfg.mode, trials=cfg.trials, runs=cfg.runs,
+                          warmup=cfg.warmup, seed=cfg.seed, task_run=task_run,
+                          caches=cfg.caches, recompile=cfg.recompile)
+    with tempfile.TemporaryDirectory(prefix="stitchcuda-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        out = tmp / "records.jsonl"
+        cmd = [cfg.python, "-m", "stitch_backend.bench.worker", *task_cfg.to_argv(out)]
+        t0 = time.monotonic()
+        with (tmp / "stdout.txt").open("wb") as so, (tmp / "stderr.txt").open("wb") as se:
+            # Its own session, so a timeout kills the child and anything it started (nvcc).
+            proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=_child_env(cfg, tmp),
+                                    start_new_session=True)
+            timed_out = False
+            try:
+                rc = proc.wait(timeout=cfg.timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_group(proc)
+                rc = proc.wait()
+            except BaseException:          # Ctrl-C: leave no orphan behind
+                _kill_group(proc)
+                proc.wait()
+                raise
+        wall = time.monotonic() - t0
+        records = read_records(out)
+        tail = _tail(tmp / "stderr.txt") or _tail(tmp / "stdout.txt")
+    have = {r.backend for r in records}
+    for b in cfg.backends:
+        if b in have:
+            continue
+        if timed_out:
+            status, reason = TIMEOUT, f"task ran past --timeout {cfg.timeout_s:g} s (killed after {wall:.0f} s)"
+        else:
+            status = CRASH
+            reason = (f"worker exited with {_describe_rc(rc)} before writing this record")
+        records.append(BenchRecord(task=ref.name, spec=ref.spec, backend=b, status=status,
+                                   device=cfg.device, mode=cfg.mode, task_run=task_run,
+                                   caches=cfg.caches, trials=cfg.trials, reason=reason,
+                                   error=tail, time_unix=time.time()))
+    order = {b: i for i, b in enumerate(cfg.backends)}
+    return sorted(records, key=lambda r: order.get(r.backend, len(order)))
+
+
+def _describe_rc(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)     # our child's own session, nothing else
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
+def _done_tasks(records: list[BenchRecord], cfg: BenchConfig) -> set[str]:
+    """Tasks whose last run covered every requested backend on this device and mode."""
+    done = set()
+    for r in latest_runs(records):
+        recs = r.records
+        if all(b in recs for b in cfg.backends) and all(
+                x.device == cfg.device and x.mode == cfg.mode for x in recs.values()):
+            done.add(r.task)
+    return done
+
+
+def _one_line(result: Sequence[BenchRecord]) -> str:
+    by = {r.backend: r for r in result}
+    parts = []
+    eager = by.get("eager")
+    for b, r in by.items():
+        if r.status != "ok":
+            parts.append(f"{b} {r.status}")
+        elif b == "eager":
+            parts.append(f"eager {r.median_ms:.3f} ms" if r.timed else "eager untimed")
+        elif eager is not None and eager.timed and r.timed:
+            mark = "" if r.correct_kernelbench else ("†" if r.correct_design else " WRONG")
+            parts.append(f"{b} {eager.median_ms / r.median_ms:.2f}x{mark}")
+        else:
+            parts.append(f"{b} ran")
+    return ", ".join(parts)
+
+
+def _plan(cfg: BenchConfig, problems: list[ProblemRef],
+          results_path: Path) -> tuple[list[ProblemRef], list[ProblemRef], list[str], list[str]]:
+    """(problems to report, problems to run, skipped task names, notes)."""
+    notes: list[str] = []
+    if cfg.report_only:
+        existing = read_records(results_path)
+        if not problems:                 # every task in the file, in its order
+            problems = [ProblemRef(r.task, next(iter(r.records.values())).spec)
+                        for r in latest_runs(existing)]
+        have = {r.task for r in existing}
+        missing = [p.name for p in problems if p.name not in have]
+        if missing:
+            notes.append(f"--report-only: {len(missing)} selected task(s) have no records")
+        return problems, [], [p.name for p in problems], notes
+    if results_path.exists() and not cfg.resume:
+        kept = results_path.with_name(f"results-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        results_path.rename(kept)
+        notes.append(f"previous results moved to {kept} (use --resume to continue them)")
+    done = _done_tasks(read_records(results_path), cfg) if cfg.resume else set()
+    skipped = [p.name for p in problems if p.name in done]
+    if skipped:
+        notes.append(f"--resume: {len(skipped)} task(s) already in {results_path.name}, skipped")
+    return problems, [p for p in problems if p.name not in done], skipped, notes
+
+
+def run_bench(cfg: BenchConfig, problems: Sequence[ProblemRef]) -> BenchResult:
+    """Benchmark ``problems`` under ``cfg``: records to ``out_dir/results.jsonl``, the
+    markdown summary to ``out_dir/summary.md``, the plot to ``out_dir/speedups.png``."""
+    from tqdm import tqdm
+
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    results_path = cfg.out_dir / RESULTS_NAME
+    problems, todo, skipped, notes = _plan(cfg, list(problems), results_path)
+
+    bar = tqdm(todo, desc="bench", unit="task", file=sys.stderr, disable=not cfg.progress,
+               dynamic_ncols=True)
+    for ref in bar:
+        bar.set_postfix_str(ref.name)
+        task_run = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        recs = run_task_process(cfg, ref, task_run)
+        append_records(results_path, recs)
+        line = f"{ref.name}: {_one_line(recs)}"
+        log.info(line)
+        if cfg.progress:
+            bar.write(line, file=sys.stderr)
+    bar.close()
+
+    # The summary covers the selected tasks, read back from the file (resumed ones too).
+    pos = {p.name: i for i, p in enumerate(problems)}
+    results = sorted((r for r in latest_runs(read_records(results_path)) if r.task in pos),
+                     key=lambda r: pos[r.task])
+    backends = list(cfg.backends)
+    if cfg.report_only:                  # the records say which backends ran
+        seen = {b for r in results for b in r.records}
+        backends = ([b for b in backends if b in seen]
+                    + sorted(seen - set(backends), key=lambda b: (b != "eager", b)))
+    summaries = summarise(results, backends)
+    markdown = render_markdown(results, summaries, backends, _meta(cfg, results))
+    summary_path = cfg.out_dir / SUMMARY_NAME
+    summary_path.write_text(markdown, encoding="utf-8")
+    plot_note = (write_plot(results, backends, cfg.out_dir / PLOT_NAME)
+                 if cfg.plot else "plot: disabled")
+    return BenchResult(results, summaries, markdown, results_path, summary_path,
+                       plot_note, skipped, notes)
+
+
+def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:
+    env: dict[str, object] = {}
+    first: BenchRecord | None = None
+    for r in results:
+        for rec in r.records.values():
+            first = first or rec
+            if rec.env:
+                env = rec.env
+                break
+        if env:
+            break
+    if cfg.report_only and first is not None:     # describe the run that made the records
+        return {"device": first.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
+                "triton": env.get("triton"), "mode": first.mode, "trials": first.trials,
+                "caches": first.caches, "tasks": len(results), "report": "--report-only"}
+    return {"device": cfg.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
+            "triton": env.get("triton"), "mode": cfg.mode, "trials": cfg.trials,
+            "runs": cfg.runs, "caches": cfg.caches, "tasks": len(results)}

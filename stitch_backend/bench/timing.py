@@ -1,0 +1,95 @@
+"""Timing one callable: median and spread of many runs.
+
+On CUDA: CUDA events around each run, L2 flushed before each (a 256 MB write, larger
+than any current L2) and the device idle when the start event is recorded, so the time
+includes the host's launch overhead (the part CUDA graphs and fusion remove) instead of
+hiding it behind queued work. On CPU: ``time.perf_counter``; those numbers are marked
+``clock="cpu"`` and are not what the product claims.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds per call over ``runs`` timed runs (after ``warmup`` untimed ones)."""
+
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int
+    warmup: int
+    clock: str              # "cuda-events" or "cpu"
+
+
+class L2Flusher:
+    """Overwrites a 256 MB device buffer so the next run starts with a cold L2."""
+
+    def __init__(self, device: torch.device):
+        self._buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+    def __call__(self) -> None:
+        self._buf.zero_()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile ``q`` in [0, 100] of a non-empty list."""
+    xs = sorted(values)
+    if len(xs) == 1:
+        return xs[0]
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup: int,
+              flusher: L2Flusher | None = None) -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``runs`` timed ones; on CUDA each timed
+    run is preceded by ``flusher()`` (when given) and a synchronize."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    if device.type == "cuda":
+        for _ in range(runs):
+            if flusher is not None:
+                flusher()
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        clock = "cuda-events"
+    else:
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        clock = "cpu"
+    return Timing(median_ms=statistics.median(times), p10_ms=percentile(times, 10),
+                  p90_ms=percentile(times, 90), runs=runs, warmup=warmup, clock=clock)
+
+
+def time_first_call(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Seconds taken by one call of ``fn`` (device synchronized before and after) and its result."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, result

@@ -1,0 +1,371 @@
+"""The child process that benchmarks one problem under every backend.
+
+``python -m stitch_backend.bench.worker --spec FILE --name NAME --out RECORDS.jsonl ...``
+loads the problem (executing the user's file), builds references, then for each backend
+in turn: builds the model under the same seed, compiles, checks correctness, times, and
+appends one ``BenchRecord`` to ``--out`` (flushed, so a crash later keeps it). All
+backends run in this one process, so their times are side by side.
+
+Following KernelBench: the model stays in training mode (``--eval`` switches), every
+call runs under ``torch.no_grad()``, fp32, and ``torch.manual_seed(seed)`` precedes the
+construction of each model instance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import random
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import backends as backends_mod
+from .compare import Comparison, compare, flatten_outputs
+from .problems import Problem, load_problem
+from .records import ERROR, OK, BenchRecord, append_records
+from .timing import L2Flusher, time_call, time_first_call
+
+ERROR_TAIL_CHARS = 4000
+
+
+@dataclass
+class TaskConfig:
+    """Everything the worker needs for one task; ``to_argv`` is its command line."""
+
+    spec: str
+    name: str
+    backends: list[str]
+    device: str = "cpu"
+    mode: str = "train"
+    trials: int = 5
+    runs: int = 10
+    warmup: int = 2
+    seed: int = 42
+    task_run: str = ""
+    caches: str = "keep"
+    recompile: bool = True
+    ref_cache_bytes: int | None = None      # None: a quarter of device memory (CUDA), 4 GiB (CPU)
+
+    def to_argv(self, out: Path) -> list[str]:
+        argv = ["--spec", self.spec, "--name", self.name, "--backends", ",".join(self.backends),
+                "--device", self.device, "--mode", self.mode, "--trials", str(self.trials),
+                "--runs", str(self.runs), "--warmup", str(self.warmup), "--seed", str(self.seed),
+                "--task-run", self.task_run, "--caches", self.caches, "--out", str(out)]
+        if not self.recompile:
+            argv.append("--no-recompile")
+        if self.ref_cache_bytes is not None:
+            argv += ["--ref-cache-bytes", str(self.ref_cache_bytes)]
+        return argv
+
+
+@dataclass
+class TrialRef:
+    inputs: list[Any]
+    eager: Any
+    fp64: Any | None
+
+
+def _to_device(inputs: list[Any], device: torch.device) -> list[Any]:
+    return [x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _clone(inputs: list[Any]) -> list[Any]:
+    # Some models write into their inputs (in-place ReLU on x): every call gets its own copy.
+    return [x.clone() if isinstance(x, torch.Tensor) else x for x in inputs]
+
+
+def _upcast(inputs: list[Any]) -> list[Any]:
+    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point()
+            else (x.clone() if isinstance(x, torch.Tensor) else x) for x in inputs]
+
+
+def _nbytes(x: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in flatten_outputs(x) if isinstance(t, torch.Tensor))
+
+
+def _max_abs_diff(a: Any, b: Any) -> float:
+    """Max |a - b| over tensor leaves; inf when shapes differ or NaN patterns differ."""
+    la, lb = flatten_outputs(a), flatten_outputs(b)
+    if len(la) != len(lb):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(la, lb):
+        if not isinstance(x, torch.Tensor):
+            worst = max(worst, 0.0 if x == y else float("inf"))
+            continue
+        if x.shape != y.shape:
+            return float("inf")
+        if x.numel() == 0:
+            continue
+        if torch.equal(x, y):
+            continue
+        d = (x.double() - y.double()).abs()
+        same_nan = torch.isnan(x) & torch.isnan(y)
+        d = torch.where(same_nan, torch.zeros_like(d), d)
+        worst = max(worst, float(torch.nan_to_num(d, nan=float("inf")).max()))
+    return worst
+
+
+def _fingerprint(x: Any) -> list[torch.Tensor]:
+    """A small CPU sample of every output (up to 65536 elements each) to compare trials."""
+    out = []
+    for t in flatten_outputs(x):
+        if isinstance(t, torch.Tensor) and t.numel():
+            flat = t.detach().reshape(-1)
+            step = max(1, flat.numel() // 65536)
+            out.append(flat[::step].double().cpu())
+    return out
+
+
+class References:
+    """Eager and fp64 outputs per input trial, computed once and kept while they fit in
+    ``cache_bytes`` (else recomputed on demand, from the same seeds)."""
+
+    def __init__(self, problem: Problem, cfg: TaskConfig, device: torch.device):
+        self.problem, self.cfg, self.device = problem, cfg, device
+        rng = random.Random(cfg.seed)
+        self.trial_seeds = [rng.randrange(2**31) for _ in range(cfg.trials)]
+        self.model = build_model(problem, cfg, device)
+        self.fp64_error = ""
+        try:
+            self.model64: torch.nn.Module | None = build_model(problem, cfg, device).double()
+        except Exception as exc:
+            self.model64, self.fp64_error = None, f"{type(exc).__name__}: {exc}"
+        if cfg.ref_cache_bytes is not None:
+            self.budget = cfg.ref_cache_bytes
+        elif device.type == "cuda":
+            self.budget = torch.cuda.get_device_properties(device).total_memory // 4
+        else:
+            self.budget = 4 << 30
+        self._cache: dict[int, TrialRef] = {}
+        self._cached_bytes = 0
+        self.eager_deterministic: bool | None = None
+        self.determinism_max_abs: float | None = None
+        self.eager_output_varies: bool | None = None
+
+    def inputs(self, t: int) -> list[Any]:
+        torch.manual_seed(self.trial_seeds[t])
+        return _to_device(self.problem.make_inputs(), self.device)
+
+    def trial(self, t: int) -> TrialRef:
+        if t in self._cache:
+            return self._cache[t]
+        inputs = self.inputs(t)
+        torch.manual_seed(self.trial_seeds[t])
+        eager = self.model(*_clone(inputs))
+        if t == 0 and self.eager_deterministic is None:
+            # No reseed: a model that draws random numbers (dropout) must show it here.
+            again = self.model(*_clone(inputs))
+            self.determinism_max_abs = _max_abs_diff(eager, again)
+            self.eager_deterministic = self.determinism_max_abs == 0.0
+            del again
+        fp64 = None
+        if self.model64 is not None:
+            try:
+                torch.manual_seed(self.trial_seeds[t])
+                fp64 = self.model64(*_upcast(inputs))
+            except Exception as exc:
+                self.fp64_error = f"{type(exc).__name__}: {exc}"
+        ref = TrialRef(inputs, eager, fp64)
+        size = _nbytes(inputs) + _nbytes(eager) + _nbytes(fp64)
+        if self._cached_bytes + size <= self.budget:
+            self._cache[t] = ref
+            self._cached_bytes += size
+        return ref
+
+    def prepare(self) -> None:
+        """Compute every trial once: fills the cache and the task-level facts."""
+        prints = []
+        for t in range(len(self.trial_seeds)):
+            prints.append(_fingerprint(self.trial(t).eager))
+        if len(prints) >= 2:
+            # Relative threshold: run-to-run noise of a constant output is not variation.
+            scale = max([float(t.abs().max()) for t in prints[0] if t.numel()] + [1e-30])
+            self.eager_output_varies = any(_max_abs_diff(prints[0], p) > 1e-5 * scale
+                                           for p in prints[1:])
+
+    def facts(self) -> dict[str, Any]:
+        return {"eager_deterministic": self.eager_deterministic,
+                "determinism_max_abs": self.determinism_max_abs,
+                "eager_output_varies": self.eager_output_varies}
+
+
+def build_model(problem: Problem, cfg: TaskConfig, device: torch.device) -> torch.nn.Module:
+    """A fresh instance under ``manual_seed(cfg.seed)``, on ``device``, in the configured mode."""
+    torch.manual_seed(cfg.seed)
+    model = problem.make_model().to(device)
+    model.train(cfg.mode == "train")
+    return model
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """What the numbers depend on: versions, device, TF32 settings."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "device": device.type,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    return env
+
+
+def _error_fields(exc: BaseException, prefix: str = "") -> dict[str, Any]:
+    # Dynamo wraps backend errors as "backend='x' raised:\nTheRealError: ...\n\nSet TORCH...":
+    # keep the first two message lines so the reason names the real error.
+    lines = [ln.strip() for ln in str(exc).splitlines()
+             if ln.strip() and not ln.startswith(("Set TORCHDYNAMO_VERBOSE", "You can suppress"))]
+    return {"status": ERROR, "reason": f"{prefix}{type(exc).__name__}: {' '.join(lines[:2])}"[:500],
+            "error": traceback.format_exc()[-ERROR_TAIL_CHARS:]}
+
+
+def _aggregate(checks: list[tuple[str, Comparison]]) -> dict[str, Any]:
+    def worst(values: list[float]) -> float | None:
+        finite = [v for v in values if v == v]          # drop NaN (no fp64 reference)
+        return max(finite) if finite else None
+    failing = [f"{label}: {c.reason}" for label, c in checks if not (c.ok_kernelbench and c.ok_design)]
+    if failing:
+        reason = failing[0] + (f" (and {len(failing) - 1} more checks)" if len(failing) > 1 else "")
+    else:
+        label, c = max(checks, key=lambda lc: lc[1].max_abs)
+        reason = f"{len(checks)} checks passed; worst ({label}): {c.reason}"
+    return {
+        "correct_kernelbench": all(c.ok_kernelbench for _, c in checks),
+        "correct_design": all(c.ok_design for _, c in checks),
+        "max_abs": worst([c.max_abs for _, c in checks]),
+        "norm_err": worst([c.norm_err for _, c in checks]),
+        "eager_norm_err": worst([c.eager_norm_err for _, c in checks]),
+        "reason": reason,
+    }
+
+
+def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
+                device: torch.device, flusher: L2Flusher | None) -> dict[str, Any]:
+    """Compile, check and time one backend; the record's fields (raises on failure)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = build_model(problem, cfg, device)
+    compiled = backends_mod.wrap(name, model)
+    marker = backends_mod.graph_count_marker(compiled)
+    fields: dict[str, Any] = {}
+
+    ref0 = refs.trial(0)
+    torch.manual_seed(refs.trial_seeds[0])
+    first_inputs = _clone(ref0.inputs)
+    fields["cold_first_call_s"], out = time_first_call(lambda: compiled.fn(*first_inputs), device)
+    checks = [("first call", compare(out, ref0.eager, ref0.fp64))]
+    del out, ref0
+    for t in range(cfg.trials):
+        ref = refs.trial(t)
+        torch.manual_seed(refs.trial_seeds[t])
+        out = compiled.fn(*_clone(ref.inputs))
+        checks.append((f"trial {t}", compare(out, ref.eager, ref.fp64)))
+        del out, ref
+    fields.update(_aggregate(checks))
+    if refs.fp64_error:
+        fields["reason"] += f" [fp64 reference unavailable: {refs.fp64_error}]"
+
+    timing_inputs = _clone(refs.trial(0).inputs)
+    timing = time_call(lambda: compiled.fn(*timing_inputs), device, runs=cfg.runs,
+                       warmup=cfg.warmup, flusher=flusher)
+    fields.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
+                  runs=timing.runs, clock=timing.clock)
+    records = backends_mod.backend_records(compiled, since=marker)
+
+    if cfg.recompile and name != "eager":
+        # Dynamo forgets everything; Inductor's/stitchcuda's own caches stay warm.
+        torch._dynamo.reset()
+        again = backends_mod.wrap(name, model)
+        torch.manual_seed(refs.trial_seeds[0])
+        fields["recompile_first_call_s"], _ = time_first_call(lambda: again.fn(*_clone(timing_inputs)), device)
+        del again
+    fields["backend_records"] = records
+    fields["backend_source"] = compiled.source
+    return fields
+
+
+def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
+    """Benchmark ``cfg.spec`` under every backend of ``cfg.backends``; one record each to
+    ``sink``. Python exceptions become error records; nothing is raised."""
+    device = torch.device(cfg.device)
+    env = environment(device)
+    base = dict(task=cfg.name, spec=cfg.spec, device=device.type, mode=cfg.mode,
+                task_run=cfg.task_run, caches=cfg.caches, trials=cfg.trials)
+
+    def emit(backend: str, fields: dict[str, Any]) -> None:
+        sink(BenchRecord(backend=backend, **base, **fields, env=env, time_unix=time.time()))
+
+    with torch.no_grad():
+        try:
+            problem = load_problem(cfg.spec)
+            refs = References(problem, cfg, device)
+            refs.prepare()
+        except Exception as exc:
+            fields = _error_fields(exc, prefix="loading/reference (eager) failed: ")
+            for b in cfg.backends:
+                emit(b, dict(fields))
+            return
+        flusher = L2Flusher(device) if device.type == "cuda" else None
+        for b in cfg.backends:
+            try:
+                fields = {"status": OK, **run_backend(b, problem, refs, cfg, device, flusher)}
+            except Exception as exc:
+                fields = _error_fields(exc)
+            fields.update(refs.facts())
+            emit(b, fields)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def _parse(argv: list[str] | None) -> tuple[TaskConfig, Path]:
+    p = argparse.ArgumentParser(prog="python -m stitch_backend.bench.worker",
+                                description="benchmark one problem (internal: run by `stitchcuda bench`)")
+    p.add_argument("--spec", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--backends", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--mode", choices=("train", "eval"), default="train")
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--task-run", default="")
+    p.add_argument("--caches", default="keep")
+    p.add_argument("--no-recompile", action="store_true")
+    p.add_argument("--ref-cache-bytes", type=int, default=None)
+    p.add_argument("--out", required=True, type=Path)
+    a = p.parse_args(argv)
+    cfg = TaskConfig(spec=a.spec, name=a.name, backends=[b for b in a.backends.split(",") if b],
+                     device=a.device, mode=a.mode, trials=a.trials, runs=a.runs, warmup=a.warmup,
+                     seed=a.seed, task_run=a.task_run, caches=a.caches,
+                     recompile=not a.no_recompile, ref_cache_bytes=a.ref_cache_bytes)
+    return cfg, a.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Worker entry point: exit 0 when every backend got a record (even an error record)."""
+    cfg, out = _parse(argv)
+    run_task(cfg, lambda rec: append_records(out, [rec]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

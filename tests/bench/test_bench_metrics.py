@@ -1,0 +1,79 @@
+"""Metrics on crafted records: geomean, KernelBench's fast_p, latest run per task."""
+
+import math
+
+import pytest
+
+from stitch_backend.bench.metrics import fast_p, geomean, latest_runs, summarise
+from stitch_backend.bench.records import BenchRecord, read_records, append_records
+
+
+def rec(task, backend, ms, kb=True, design=True, status="ok", run="r1"):
+    return BenchRecord(task=task, spec=f"{task}.py", backend=backend, status=status,
+                       task_run=run, median_ms=ms if status == "ok" else None,
+                       correct_kernelbench=kb if status == "ok" else None,
+                       correct_design=design if status == "ok" else None)
+
+
+RECORDS = [
+    # an older run of A that must be ignored
+    rec("A", "eager", 10.0, run="old"), rec("A", "inductor", 1.0, run="old"), rec("A", "x", 1.0, run="old"),
+    rec("A", "eager", 10.0), rec("A", "inductor", 5.0), rec("A", "x", 2.0),
+    rec("B", "eager", 10.0), rec("B", "inductor", 10.0), rec("B", "x", 20.0),
+    rec("C", "eager", 10.0), rec("C", "inductor", 8.0, kb=False), rec("C", "x", None, status="error"),
+]
+
+
+def test_geomean_and_fast_p_basics():
+    assert geomean([]) is None
+    assert geomean([1.0, 4.0]) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        geomean([1.0, 0.0])
+    correct = [True, True, False, True]
+    speedups = [2.0, 0.5, 3.0, None]
+    assert fast_p(correct, speedups, 0) == 0.5           # correct and timed
+    assert fast_p(correct, speedups, 1) == 0.25          # the incorrect 3.0x does not count
+    assert fast_p([], [], 1) == 0.0
+    with pytest.raises(ValueError):
+        fast_p([True], [], 1)
+
+
+def test_latest_runs_uses_last_task_run():
+    results = latest_runs(RECORDS)
+    assert [r.task for r in results] == ["A", "B", "C"]
+    assert results[0].task_run == "r1"
+    assert results[0].speedup("x") == pytest.approx(5.0)
+    assert results[0].speedup("x", over="inductor") == pytest.approx(2.5)
+    assert results[2].speedup("x") is None
+
+
+def test_summarise():
+    s = {b.backend: b for b in summarise(latest_runs(RECORDS), ["eager", "inductor", "x"])}
+    x, ind, eager = s["x"], s["inductor"], s["eager"]
+    assert x.tasks == 3 and x.timed == 2 and x.errors == 1
+    assert x.correct_kernelbench == 2
+    assert x.geomean_vs_eager == pytest.approx(math.sqrt(5.0 * 0.5))
+    assert x.fast_p == {0.0: pytest.approx(2 / 3), 1.0: pytest.approx(1 / 3),
+                        1.5: pytest.approx(1 / 3), 2.0: pytest.approx(1 / 3)}
+    assert x.geomean_vs_inductor == pytest.approx(math.sqrt(2.5 * 0.5))
+    assert x.vs_inductor_tasks == 2
+    assert ind.correct_kernelbench == 2 and ind.correct_design == 3
+    assert ind.geomean_vs_eager == pytest.approx(math.sqrt(2.0))
+    assert ind.geomean_vs_eager_design == pytest.approx((2.0 * 1.0 * 1.25) ** (1 / 3))
+    assert ind.fast_p[1.0] == pytest.approx(1 / 3)       # 1.0x is not > 1
+    assert ind.geomean_vs_inductor is None
+    assert eager.geomean_vs_eager == pytest.approx(1.0) and eager.fast_p[1.0] == 0.0
+
+
+def test_records_roundtrip_nan_as_null_and_torn_last_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    r = rec("A", "x", 1.5)
+    r.norm_err = float("nan")
+    r.max_abs = float("inf")
+    append_records(path, [r, rec("B", "x", 2.0)])
+    with path.open("a") as f:
+        f.write('{"task": "C", "back')                   # a writer killed mid-line
+    back = read_records(path)
+    assert [b.task for b in back] == ["A", "B"]
+    assert back[0].norm_err is None and back[0].max_abs is None and back[0].median_ms == 1.5
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()

@@ -1,0 +1,273 @@
+"""End to end: the CLI parser + run() on CPU, resume, crashes and timeouts costing one task."""
+
+import argparse
+import json
+import stat
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from stitch_backend.bench import cli, runner
+from stitch_backend.bench.problems import ProblemRef
+from stitch_backend.bench.records import read_records
+from stitch_backend.bench.timing import percentile, time_call
+from stitch_backend.bench.worker import TaskConfig, run_task
+from stitch_backend.examples import list_examples
+
+EXAMPLES = {p.stem: p for p in list_examples()}
+
+FAILING_MODEL = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("this model always fails")
+
+    def get_inputs():
+        return [torch.randn(2, 2)]
+
+    def get_init_inputs():
+        return []
+""")
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="stitchcuda")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli.add_parser(sub)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """One CPU run: 2 bundled examples and a model that raises, eager + aot_eager."""
+    tmp = tmp_path_factory.mktemp("bench")
+    failing = tmp / "99_Failing.py"
+    failing.write_text(FAILING_MODEL)
+    out = tmp / "out"
+    args = _parse(["bench", str(EXAMPLES["softmax_rows"]), str(EXAMPLES["gru_cell"]), str(failing),
+                   "--backends", "eager,aot_eager", "--device", "cpu", "--trials", "2",
+                   "--runs", "3", "--warmup", "1", "--out", str(out), "--no-progress"])
+    assert args.func is cli.run
+    rc = args.func(args)
+    return rc, out
+
+
+def test_full_run_writes_records_and_summary(full_run, capsys):
+    rc, out = full_run
+    assert rc == 0
+    records = read_records(out / "results.jsonl")
+    by = {(r.task, r.backend): r for r in records}
+    assert len(records) == 6
+    for task in ("softmax_rows", "gru_cell"):
+        for backend in ("eager", "aot_eager"):
+            r = by[(task, backend)]
+            assert r.status == "ok", r.error
+            assert r.correct_kernelbench and r.correct_design, r.reason
+            assert r.clock == "cpu" and r.median_ms > 0 and r.runs == 3
+            assert r.eager_deterministic is True and r.eager_output_varies is True
+            assert r.mode == "train" and r.device == "cpu"
+        assert by[(task, "aot_eager")].cold_first_call_s > 0
+        assert by[(task, "aot_eager")].recompile_first_call_s > 0
+        assert by[(task, "eager")].task_run == by[(task, "aot_eager")].task_run
+    for backend in ("eager", "aot_eager"):                 # one task failed, only its rows
+        r = by[("99_Failing", backend)]
+        assert r.status == "error"
+        assert "this model always fails" in r.reason and "Traceback" in r.error
+    summary = (out / "summary.md").read_text()
+    assert "## Summary" in summary and "| aot_eager | 3 | 2/3 | 2/3 |" in summary
+    assert "99_Failing / eager: error" in summary
+    assert "not the product's claim" in summary
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert all("backend" in d and "median_ms" in d for d in lines)
+
+
+def test_resume_skips_finished_tasks(full_run, monkeypatch, capsys):
+    _, out = full_run
+    before = (out / "results.jsonl").read_text()
+
+    def no_child(*a, **k):
+        raise AssertionError("--resume started a task that was already done")
+
+    monkeypatch.setattr(runner, "run_task_process", no_child)
+    args = _parse(["bench", str(EXAMPLES["softmax_rows"]), str(EXAMPLES["gru_cell"]),
+                   "--backends", "eager,aot_eager", "--device", "cpu", "--out", str(out),
+                   "--resume", "--no-progress"])
+    assert cli.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "2 task(s) already in results.jsonl, skipped" in printed
+    assert printed.rstrip().splitlines()[-1].startswith("geomean vs eager")   # table printed last
+    assert (out / "results.jsonl").read_text() == before
+    assert "gru_cell" in (out / "summary.md").read_text()
+
+
+def test_report_only_summarises_merged_records(full_run, monkeypatch, tmp_path, capsys):
+    _, out = full_run
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "results.jsonl").write_text((out / "results.jsonl").read_text())
+    monkeypatch.setattr(runner, "run_task_process", lambda *a, **k: pytest.fail("ran a task"))
+    args = _parse(["bench", "--report-only", "--out", str(merged), "--device", "cuda", "--no-progress"])
+    assert cli.run(args) == 0                 # no GPU needed: nothing runs
+    summary = (merged / "summary.md").read_text()
+    assert "| task | eager | aot_eager | notes |" in summary
+    assert summary.count("| softmax_rows |") == 2 and "99_Failing" in summary   # tasks + compile tables
+    rows = [ln.split(" | ")[0] for ln in summary.split("## Summary")[1].splitlines() if ln.startswith("| ")]
+    assert rows == ["| backend", "| eager", "| aot_eager"]     # the backends in the records only
+    assert cli.run(_parse(["bench", "--report-only", "--out", str(tmp_path / "none")])) == 2
+
+
+def _fake_python(tmp_path: Path, body: str) -> str:
+    script = tmp_path / "fake-python"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_crashing_and_hanging_children_cost_only_their_rows(tmp_path):
+    # The runner's side alone: a stand-in "python" that dies or hangs instead of the worker.
+    cfg = runner.BenchConfig(backends=["eager", "aot_eager"], out_dir=tmp_path / "out",
+                             timeout_s=2.0, progress=False, plot=False)
+    cfg.python = _fake_python(tmp_path, "echo 'Segmentation fault (core dumped)' >&2; kill -SEGV $$")
+    recs = runner.run_task_process(cfg, ProblemRef("crashy", "crashy.py"), "run1")
+    assert [r.backend for r in recs] == ["eager", "aot_eager"]
+    assert all(r.status == "crash" and "SIGSEGV" in r.reason for r in recs)
+    assert "Segmentation fault" in recs[0].error
+
+    cfg.python = _fake_python(tmp_path, "sleep 30")
+    recs = runner.run_task_process(cfg, ProblemRef("hangs", "hangs.py"), "run2")
+    assert all(r.status == "timeout" and "--timeout 2" in r.reason for r in recs)
+
+
+def test_usage_errors_return_2(tmp_path, capsys):
+    assert cli.run(_parse(["bench", "--out", str(tmp_path)])) == 2
+    assert "no problems" in capsys.readouterr().err
+    assert cli.run(_parse(["bench", "--level", "3", "--out", str(tmp_path)])) == 2
+    assert cli.run(_parse(["bench", "--suite", "examples", "--backends", "eager,nope",
+                           "--out", str(tmp_path)])) == 2
+    assert "unknown backend 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_timing_on_cpu():
+    t = time_call(lambda: torch.ones(8).sum(), torch.device("cpu"), runs=5, warmup=1)
+    assert t.clock == "cpu" and t.runs == 5 and 0 < t.p10_ms <= t.median_ms <= t.p90_ms
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert percentile([1.0, 3.0], 25) == 1.5
+
+
+def _stitchcuda_usable() -> bool:
+    import torch._dynamo
+    if "stitchcuda" not in torch._dynamo.list_backends():
+        return False
+    try:
+        torch._dynamo.lookup_backend("stitchcuda")
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _stitchcuda_usable(), reason="stitchcuda backend not registered/importable")
+def test_stitchcuda_backend_in_process():
+    records = []
+    cfg = TaskConfig(spec=str(EXAMPLES["mlp_gelu"]), name="mlp_gelu", backends=["eager", "stitchcuda"],
+                     device="cpu", trials=2, runs=2, warmup=1, recompile=False)
+    run_task(cfg, records.append)
+    r = {x.backend: x for x in records}["stitchcuda"]
+    assert r.status == "ok", r.error
+    assert r.correct_kernelbench and r.correct_design, r.reason
+
+
+DROPOUT_MODEL = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(self.lin(x))
+
+    def get_inputs():
+        return [torch.randn(8, 16)]
+
+    def get_init_inputs():
+        return []
+""")
+
+CONSTANT_MODEL = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return torch.zeros_like(x) * x
+
+    def get_inputs():
+        return [torch.randn(4, 4)]
+
+    def get_init_inputs():
+        return []
+""")
+
+
+def _run_in_process(path, mode="train", backends=("eager",)):
+    records = []
+    cfg = TaskConfig(spec=str(path), name=path.stem, backends=list(backends), device="cpu",
+                     mode=mode, trials=3, runs=2, warmup=0, recompile=False)
+    run_task(cfg, records.append)
+    return records
+
+
+def test_determinism_control_reports_dropout_and_eval_removes_it(tmp_path):
+    path = tmp_path / "dropout.py"
+    path.write_text(DROPOUT_MODEL)
+    (train,) = _run_in_process(path)
+    assert train.status == "ok" and train.mode == "train"
+    assert train.eager_deterministic is False and train.determinism_max_abs > 0
+    # the backend rows are still judged (same seed before every call), not hidden
+    assert train.correct_kernelbench is True
+    (ev,) = _run_in_process(path, mode="eval")
+    assert ev.eager_deterministic is True and ev.mode == "eval"
+
+
+def test_constant_output_is_flagged(tmp_path):
+    path = tmp_path / "constant.py"
+    path.write_text(CONSTANT_MODEL)
+    (rec,) = _run_in_process(path)
+    assert rec.eager_output_varies is False
+
+
+def test_backend_error_reason_names_the_real_error():
+    from stitch_backend.bench.worker import _error_fields
+
+    try:
+        raise RuntimeError("backend='stitchcuda' raised:\nModuleNotFoundError: No module named 'x'\n\n"
+                           "Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace")
+    except RuntimeError as exc:
+        fields = _error_fields(exc)
+    assert fields["status"] == "error"
+    assert "No module named 'x'" in fields["reason"] and "VERBOSE" not in fields["reason"]
+
+
+def test_plot_skipped_with_a_note_without_matplotlib(full_run, monkeypatch):
+    import sys
+    from stitch_backend.bench.metrics import latest_runs
+    from stitch_backend.bench.report import write_plot
+
+    _, out = full_run
+    results = latest_runs(read_records(out / "results.jsonl"))
+    with monkeypatch.context() as m:
+        for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+            m.setitem(sys.modules, name, None)                # import now fails
+        note = write_plot(results, ["eager", "aot_eager"], out / "p.png")
+    assert note.startswith("note: matplotlib is not installed") and not (out / "p.png").exists()
+    pytest.importorskip("matplotlib")
+    assert write_plot(results, ["eager", "aot_eager"], out / "p.png").startswith("plot:")
+    assert (out / "p.png").stat().st_size > 1000
