@@ -29,7 +29,7 @@ class TemplateCoder:
     def propose(self, subtask: Subtask) -> Candidate:
         """A candidate kernel for ``subtask``, or NoCandidate with the reason."""
         from stitch_backend.codegen.fused import generate
-        from stitch_backend.codegen.lower import Unsupported
+        from stitch_backend.codegen.fused import Unsupported
 
         if subtask.kind != "fused":
             raise NoCandidate(f"no template for {subtask.kind} regions yet")

@@ -101,7 +101,7 @@ def emit_sources(records: list[GraphRecord], emit_dir: Path, *,
     emit_dir.mkdir(parents=True, exist_ok=True)
     try:
         from .codegen.fused import generate
-        from .codegen.lower import Unsupported
+        from .codegen.fused import Unsupported
     except ImportError as err:
         return [Emitted(rec.index, r.id, None, f"no code generator available: {err}")
                 for rec in records for r in rec.plan.regions if r.kind is RegionKind.FUSED]

@@ -1,0 +1,152 @@
+"""The handle the backend uses: ``generate(gm, name) -> FusedKernel``.
+
+A ``FusedKernel`` holds the CUDA source of one fused region and knows how to launch it:
+``prepare(inputs)`` allocates the outputs (eager's shapes, strides and dtypes, on the
+inputs' device), picks grid/block from the sizes and the SM count, and returns the flat
+argument list for ``CudaFunction.launch`` (signature codes: p pointer, i int32, l int64).
+``interpret(inputs)`` runs the same kernel IR on CPU with torch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.fx
+
+from .binding import bind, extents, output_layout
+from .emit_cuda import Emitted, emit
+from .interp import interpret as _interpret
+from .kernel_ir import KernelIR, Unsupported
+from .lower import lower
+from .split import split_full_reductions
+
+log = logging.getLogger("stitch_backend.codegen.fused")
+code_log = logging.getLogger("stitch_backend.codegen.source")
+
+POINTWISE_THREADS = 256
+MAX_THREADS = 1024
+RESIDENT_THREADS_PER_SM = 2048  # H100/H200; used only to size grid-stride grids
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything one launch needs. Keep the plan alive until the launch has run
+    (``scratch`` holds the workspaces the kernel writes)."""
+
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    args: tuple
+    outputs: tuple[torch.Tensor, ...]
+    scratch: tuple[torch.Tensor, ...] = ()
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """One generated kernel for one fused region."""
+
+    name: str
+    source: str
+    entry: str
+    ops: list[str]
+    signature: str
+    sm_count: int = 132
+    ir: KernelIR = field(repr=False, compare=False, default=None)
+    emitted: Emitted = field(repr=False, compare=False, default=None)
+
+    @property
+    def kind(self) -> str:
+        """"pointwise" or "reduction"."""
+        return self.emitted.kind
+
+    def launch_shape(self, rows: int, reduce_len: int) -> tuple[int, int, int]:
+        """(blocks, threads per block, log2 of threads per row) for these sizes."""
+        em = self.emitted
+        resident = self.sm_count * RESIDENT_THREADS_PER_SM
+        if em.kind == "pointwise":
+            threads = POINTWISE_THREADS
+            blocks = min(_cdiv(max(rows, 1), threads * em.vec), resident // threads)
+            return max(blocks, 1), threads, 0
+        if em.layout == "inner":
+            chunks = _cdiv(reduce_len, em.vec)
+            tk = min(MAX_THREADS, _pow2_at_least(max(1, _cdiv(chunks, 4))))
+            threads = max(tk, 128)
+            rb = threads // tk
+        else:
+            # 32 consecutive rows per block coalesce best; with few rows, 8 (one 32-byte
+            # sector of fp32) leaves more blocks for the SMs.
+            rb = 32 if rows >= 32 * self.sm_count else 8
+            rb = min(rb, _pow2_at_least(max(rows, 1)))
+            tk = _pow2_at_least(max(1, _cdiv(reduce_len, 4)))
+            tk = max(min(tk, MAX_THREADS // rb), max(1, 32 // rb))
+            threads = rb * tk
+        blocks = min(_cdiv(max(rows, 1), rb), max(1, resident // threads))
+        return max(blocks, 1), threads, tk.bit_length() - 1
+
+    def prepare(self, inputs: Sequence[torch.Tensor | int]) -> LaunchPlan:
+        """Allocate the outputs and compute the launch for these inputs.
+
+        Raises ValueError when the inputs' shapes/strides/dtypes differ from what the
+        kernel was generated for (under its symbolic sizes).
+        """
+        ir = self.ir
+        values = bind(ir, inputs)
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cuda")
+        outputs = tuple(torch.empty_strided(shape, stride, dtype=o.dtype, device=device)
+                        for o, (shape, stride) in zip(ir.outputs, output_layout(ir, values)))
+        rows, red = extents(ir, values)
+        blocks, threads, log2_tk = self.launch_shape(rows, red)
+        scratch = []
+        for _, dt in self.emitted.workspaces:
+            scratch.append(torch.empty(max(rows, 1), dtype=dt, device=device))
+        if self.emitted.workspaces:
+            scratch.append(torch.zeros(1, dtype=torch.int32, device=device))  # the ticket
+        args: list = [inputs[a.position].data_ptr() for a in ir.inputs]
+        args += [o.data_ptr() for o in outputs]
+        args += [s.data_ptr() for s in scratch]
+        args += [values[b.symbol] for b in ir.symbols]
+        if self.emitted.kind == "reduction":
+            args.append(log2_tk)
+        return LaunchPlan((blocks, 1, 1), (threads, 1, 1), 0, tuple(args), outputs, tuple(scratch))
+
+    def interpret(self, inputs: Sequence[torch.Tensor | int]) -> list[torch.Tensor]:
+        """The region's outputs computed by the CPU interpreter of the kernel IR."""
+        return _interpret(self.ir, inputs)
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132) -> FusedKernel:
+    """The fused CUDA kernel for region ``gm``, entry point ``name``.
+
+    Raises ``Unsupported`` (with the op and the reason) for what the templates cannot
+    express, ValueError for a name that is not a C identifier.
+    """
+    if not _IDENT.match(name):
+        raise ValueError(f"kernel name {name!r} is not a C identifier")
+    ir = split_full_reductions(lower(gm, name), sm_count)
+    em = emit(ir)
+    ops = list(dict.fromkeys(ir.ops))
+    code_log.debug("generated %s:\n%s", name, em.source)
+    return FusedKernel(name=name, source=em.source, entry=em.entry, ops=ops,
+                       signature=em.signature, sm_count=sm_count, ir=ir, emitted=em)
+
+
+__all__ = ["FusedKernel", "LaunchPlan", "Unsupported", "generate"]

@@ -1,0 +1,266 @@
+"""The table of small fused regions the codegen tests run: every op family of the fused
+templates, fp32 plus some fp16/bf16, contiguous / broadcast / permuted / sliced inputs,
+reductions over first / middle / last / all dims, keepdim or not, and dynamic shapes.
+
+A ``Case`` traces ``fn`` with make_fx under the core ATen decompositions (as the backend
+sees regions) and makes inputs on any device from a seeded CPU generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+
+f16, bf16, f32, f64, i64, i32, b8 = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                     torch.int64, torch.int32, torch.bool)
+
+
+@dataclass(frozen=True)
+class T:
+    """How to make one tensor input: shape, dtype, value kind, then an optional view."""
+
+    shape: tuple
+    dtype: torch.dtype = f32
+    kind: str = "normal"  # normal | pos | int:<lo>:<hi> | bool
+    perm: tuple | None = None  # permute after making (a non-contiguous input)
+    slice_last: int | None = None  # x[..., :n] (a strided input)
+
+    def make(self, g: torch.Generator, device) -> torch.Tensor:
+        shape = list(self.shape)
+        if self.slice_last is not None:
+            shape[-1] = shape[-1] + 3
+        if self.kind.startswith("int"):
+            _, lo, hi = self.kind.split(":")
+            x = torch.randint(int(lo), int(hi), shape, generator=g).to(self.dtype)
+        elif self.kind == "bool":
+            x = torch.rand(shape, generator=g) > 0.5
+        else:
+            x = torch.randn(shape, generator=g, dtype=torch.float32)
+            if self.kind == "pos":
+                x = x.abs() + 0.5
+            x = x.to(self.dtype)
+        x = x.to(device)
+        if self.slice_last is not None:
+            x = x[..., : self.slice_last]
+        if self.perm is not None:
+            x = x.permute(*self.perm)
+        return x
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fn: Callable
+    inputs: tuple
+    symbolic: bool = False
+    alt_inputs: tuple | None = None  # other shapes for a dynamic case (same kernel)
+    atol: float = 1e-5
+    # outputs to compare (None: all); eager CUDA leaves e.g. eval batch norm's saved
+    # statistics uninitialised, so they carry no value to compare
+    compare: tuple | None = None
+
+    @property
+    def half(self) -> bool:
+        return any(isinstance(t, T) and t.dtype in (f16, bf16) for t in self.inputs) or self.atol > 1e-4
+
+    def make_inputs(self, seed: int, device="cpu", alt: bool = False) -> list:
+        g = torch.Generator().manual_seed(seed)
+        specs = self.alt_inputs if alt and self.alt_inputs is not None else self.inputs
+        return [t.make(g, device) if isinstance(t, T) else t for t in specs]
+
+    def trace(self, device="cpu") -> torch.fx.GraphModule:
+        example = self.make_inputs(0, device)
+        mode = "symbolic" if self.symbolic else "fake"
+        return make_fx(self.fn, decomposition_table=core_aten_decompositions(),
+                       tracing_mode=mode)(*example)
+
+
+def _c(name, fn, *inputs, **kw) -> Case:
+    return Case(name, fn, tuple(inputs), **kw)
+
+
+X = T((6, 40))
+XH = T((6, 40), f16)
+XB = T((6, 40), bf16)
+X3 = T((3, 5, 12))
+X4 = T((2, 6, 5, 7))
+POS = T((6, 40), kind="pos")
+
+POINTWISE = [
+    _c("pw_add_bias_relu", lambda a, b: (a + b).relu(), X, T((40,))),
+    _c("pw_sub_mul_div", lambda a, b: (a - 2.5 * b) / (b.abs() + 1.0), X, X),
+    _c("pw_add_alpha", lambda a, b: torch.add(a, b, alpha=0.5) - torch.sub(a, b, alpha=2), X, X),
+    _c("pw_neg_abs", lambda a: -a.abs() + a.neg(), X),
+    _c("pw_sqrt_rsqrt", lambda a: a.sqrt() + a.rsqrt(), POS),
+    _c("pw_exp_family", lambda a: a.exp() + a.exp2() + torch.expm1(a), X),
+    _c("pw_log_family", lambda a: a.log() + a.log1p() + a.log2() + a.log10(), POS),
+    _c("pw_trig", lambda a: a.sin() * a.cos() + a.tanh() + torch.atan(a), X),
+    _c("pw_sigmoid_erf", lambda a: a.sigmoid() + torch.erf(a) + torch.erfc(a), X),
+    _c("pw_relu_leaky_elu", lambda a: F.relu(a) + F.leaky_relu(a, 0.2) + F.elu(a, 0.7), X),
+    _c("pw_gelu_erf", lambda a: F.gelu(a), X),
+    _c("pw_gelu_tanh", lambda a: F.gelu(a, approximate="tanh"), X),
+    _c("pw_silu_mish", lambda a: F.silu(a) + F.mish(a), X),
+    _c("pw_hardswish_hardsigmoid", lambda a: F.hardswish(a) * F.hardsigmoid(a) + F.relu6(a), T((6, 40), kind="normal")),
+    _c("pw_hardtanh_softplus", lambda a: F.hardtanh(a, -0.5, 0.7) + F.softplus(a, beta=2.0, threshold=3.0), X),
+    _c("pw_clamp_scalar", lambda a: a.clamp(-0.3, 0.4) + a.clamp_min(0.1) + a.clamp_max(-0.1), X),
+    _c("pw_clamp_tensor", lambda a, lo, hi: torch.clamp(a, lo, hi) + torch.clamp(a, min=lo), X, T((40,)), X),
+    _c("pw_where_cmp", lambda a, b: torch.where(a > b, a, b * 2) + (a == b).float() + (a != 0).float()
+       + (a <= b).float() + (a >= 0.5).float() + (a < b).float(), X, X),
+    _c("pw_logical_bitwise", lambda a, b: ((a > 0) & (b > 0)) | ((a < 0) ^ (b > 0.5)) | ~(a > 1)
+       | torch.logical_and(a > 0, b < 0) | torch.logical_or(a > 2, b > 2) | torch.logical_not(a > -1), X, X),
+    _c("pw_maximum_minimum", lambda a, b: torch.maximum(a, b) - torch.minimum(a, b * 0.5), X, X),
+    _c("pw_sign_rounding", lambda a: torch.sign(a) + (a * 3).floor() + (a * 3).ceil() + (a * 3).round()
+       + (a * 3).trunc(), X),
+    _c("pw_reciprocal", lambda a: a.reciprocal(), POS),
+    _c("pw_fmod_remainder", lambda a, b: torch.fmod(a * 5, b) + torch.remainder(a * 5, b)
+       + torch.remainder(a, -1.5), X, POS),
+    _c("pw_div_modes", lambda a, b: torch.div(a * 7, b, rounding_mode="floor")
+       + torch.div(a * 7, b, rounding_mode="trunc"), X, T((6, 40), kind="pos")),
+    _c("pw_pow_scalar", lambda a: a.pow(2) + a.abs().pow(0.5) + a.pow(3) + a.abs().pow(1.7)
+       + (a.abs() + 1).pow(-1), X),
+    _c("pw_pow_tensor", lambda a, b: torch.pow(a.abs() + 0.1, b) + torch.pow(2.0, b), X, X),
+    _c("pw_casts", lambda a: a.half().float() + a.to(torch.bfloat16).float() + (a > 0).float()
+       + (a * 10).to(torch.int32).float(), X),
+    _c("pw_int_math", lambda a, b: (a * 3 + b - (a // 2) + a % 3).float() * 0.5, T((6, 40), i64, "int:-20:20"),
+       T((6, 40), i64, "int:1:9")),
+    _c("pw_int_to_float", lambda a: a.float() / 3 + a.sum(0, keepdim=True).float() * 0, T((6, 40), i32, "int:-5:5")),
+    _c("pw_bool_input", lambda m, a: torch.where(m, a, -a) + m.float(), T((6, 40), b8, "bool"), X),
+    _c("pw_constants", lambda a: a + torch.full_like(a, 2.0) * torch.ones_like(a) + torch.zeros_like(a)
+       + torch.scalar_tensor(3.0), X),
+    _c("pw_nan_to_num_isnan", lambda a: torch.nan_to_num(a.log()) + torch.isnan(a.log()).float()
+       + torch.isinf(a / 0).float(), X),
+    _c("pw_broadcast_outer", lambda a, b: a * b, T((6, 1)), T((1, 40))),
+    _c("pw_expand", lambda a: a.expand(6, 40) * 2, T((1, 40))),
+    _c("pw_permuted_input", lambda a, b: a + b, T((40, 6), perm=(1, 0)), X),
+    _c("pw_sliced_input", lambda a: a * 3 + 1, T((6, 40), slice_last=40)),
+    _c("pw_views", lambda a: (a.view(2, 3, 40).permute(2, 0, 1).reshape(40, 6).t() * 2).unsqueeze(0)
+       .squeeze(0), X),
+    _c("pw_slice_select", lambda a: a[:, 2:30:3] * 2 + a[1, 2:12].unsqueeze(0)[:, ::1][:, :1], X),
+    _c("pw_multi_output", lambda a, b: (a + b, (a * b).sum(0, keepdim=True) * 0 + b[0], a.relu()), X, X),
+    _c("pw_output_broadcast_smaller", lambda a, b: (a + b, b * 2), X, T((40,))),
+    _c("pw_transpose_output", lambda a: (a * 2).t().contiguous(), X),
+    _c("pw_4d_channels", lambda a, w: a * w.view(1, 6, 1, 1) + 1, X4, T((6,))),
+    _c("pw_f16_chain", lambda a, b: (a * b + 1).relu() * 0.5, XH, XH, atol=1e-2),
+    _c("pw_bf16_gelu", lambda a: F.gelu(a) + a.sigmoid(), XB, atol=1e-2),
+    _c("pw_mixed_f16_f32", lambda a, b: a + b, XH, X, atol=1e-2),
+    _c("pw_f16_vector8", lambda a: a * 2 + 1, T((16, 64), f16), atol=1e-2),
+    _c("pw_f64", lambda a: (a.double() * 1.5).exp(), X),
+    _c("pw_copy_clone", lambda a: a.clone() + torch.ops.aten.copy(torch.empty_like(a), a), X),
+]
+
+REDUCTIONS = [
+    _c("red_sum_last", lambda a: a.sum(-1), X),
+    _c("red_sum_first", lambda a: a.sum(0), X),
+    _c("red_sum_middle", lambda a: a.sum(1), X3),
+    _c("red_sum_all", lambda a: a.sum(), X3),
+    _c("red_sum_keepdim", lambda a: a.sum((0, 2), keepdim=True), X3),
+    _c("red_sum_two_last", lambda a: a.sum((1, 2)), X3),
+    _c("red_mean", lambda a: a.mean(-1) + a.mean(-1, keepdim=True).squeeze(-1), X),
+    _c("red_mean_first_keepdim", lambda a: a.mean(0, keepdim=True), X3),
+    _c("red_amax_amin", lambda a: (a.amax(-1), a.amin(-1)), X),
+    _c("red_amax_first", lambda a: a.amax(0), X3),
+    _c("red_prod", lambda a: a.prod(-1), T((6, 10), kind="pos")),
+    _c("red_var_std", lambda a: (a.var(-1), a.std(-1, correction=0), torch.var(a, -1, keepdim=True)), X),
+    _c("red_var_mean", lambda a: torch.var_mean(a, dim=1, correction=1), X),
+    _c("red_var_first", lambda a: a.var(0), X3),
+    _c("red_argmax_argmin", lambda a: (a.argmax(-1), a.argmin(-1, keepdim=True)), X),
+    _c("red_argmax_first", lambda a: a.argmax(0), X3),
+    _c("red_argmax_flat", lambda a: a.argmax(), X3),
+    _c("red_max_dim", lambda a: torch.max(a, 1), X),
+    _c("red_min_dim_keepdim", lambda a: torch.min(a, 1, keepdim=True), X),
+    _c("red_any_all", lambda a: (a > 1).any(-1) | (a > -2).all(-1), X),
+    _c("red_sum_bool_int", lambda a, b: ((a > 0).sum(-1), b.sum(-1)), X, T((6, 40), i64, "int:-3:3")),
+    _c("red_sum_permuted", lambda a: a.sum(-1), T((40, 6), perm=(1, 0))),
+    _c("red_prologue_epilogue", lambda a, b: ((a * b).relu().sum(-1) + 1).sqrt(), X, T((40,))),
+    _c("red_sum_dtype", lambda a: a.sum(-1, dtype=torch.float64), X),
+    _c("red_f16_sum", lambda a: a.sum(-1), XH, atol=1e-2),
+    _c("red_logsumexp", lambda a: torch.logsumexp(a, -1), X),
+    _c("red_logsumexp_middle", lambda a: torch.logsumexp(a, 1, keepdim=True), X3),
+    _c("red_mean_4d_spatial", lambda a: a.mean((2, 3)), X4),
+]
+
+NORMS = [
+    _c("norm_softmax", lambda a: torch.softmax(a, -1), X),
+    _c("norm_softmax_dim0", lambda a: torch.softmax(a, 0), X),
+    _c("norm_softmax_middle", lambda a: torch.softmax(a, 1), X3),
+    _c("norm_softmax_scaled_masked", lambda a, m: torch.softmax(a.masked_fill(m, float("-inf")) * 0.125, -1),
+       X, T((6, 40), b8, "bool")),
+    _c("norm_log_softmax", lambda a: torch.log_softmax(a, -1), X),
+    _c("norm_softmax_f16", lambda a: torch.softmax(a, -1), XH, atol=1e-2),
+    _c("norm_softmax_f16_to_f32", lambda a: torch.softmax(a, -1, dtype=torch.float32), XH, atol=1e-2),
+    _c("norm_softmax_bf16_long", lambda a: torch.softmax(a, -1), T((4, 1000), bf16), atol=1e-2),
+    _c("norm_softmax_permuted", lambda a: torch.softmax(a, -1), T((40, 6), perm=(1, 0))),
+    _c("norm_layer_norm", lambda a, w, b: F.layer_norm(a, (40,), w, b), X, T((40,)), T((40,))),
+    _c("norm_layer_norm_outputs", lambda a, w, b: torch.ops.aten.native_layer_norm(a, [40], w, b, 1e-5),
+       X, T((40,)), T((40,))),
+    _c("norm_layer_norm_2d", lambda a: F.layer_norm(a, (5, 12)), X3),
+    _c("norm_layer_norm_f16", lambda a, w, b: F.layer_norm(a, (40,), w, b), XH, T((40,), f16), T((40,), f16),
+       atol=1e-2),
+    _c("norm_layer_norm_residual", lambda a, r, w, b: F.layer_norm(a + r, (40,), w, b) * 2, X, X,
+       T((40,)), T((40,))),
+    _c("norm_rms_norm", lambda a, w: F.rms_norm(a, (40,), w, 1e-6), X, T((40,))),
+    _c("norm_rms_manual", lambda a, w: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * w, X, T((40,))),
+    _c("norm_batch_norm_eval", lambda a, w, b, m, v: torch.ops.aten._native_batch_norm_legit_no_training(
+        a, w, b, m, v, 0.1, 1e-5), X4, T((6,)), T((6,)), T((6,)), T((6,), kind="pos"), compare=(0,)),
+    _c("norm_batch_norm_train", lambda a, w, b, m, v: torch.ops.aten._native_batch_norm_legit_functional(
+        a, w, b, m, v, True, 0.1, 1e-5), X4, T((6,)), T((6,)), T((6,)), T((6,), kind="pos")),
+    _c("norm_batch_norm_no_stats", lambda a: torch.ops.aten._native_batch_norm_legit.no_stats(
+        a, None, None, True, 0.1, 1e-5), X4),
+    _c("norm_batch_norm_channels_last", lambda a, w, b, m, v: torch.ops.aten._native_batch_norm_legit_functional(
+        a, w, b, m, v, True, 0.1, 1e-5), T((2, 5, 7, 6), perm=(0, 3, 1, 2)), T((6,)), T((6,)), T((6,)),
+        T((6,), kind="pos")),
+    _c("norm_group_norm", lambda a, w, b: F.group_norm(a, 3, w, b), X4, T((6,)), T((6,))),
+    _c("norm_group_norm_outputs", lambda a, w, b: torch.ops.aten.native_group_norm(a, w, b, 2, 6, 35, 2, 1e-5),
+       X4, T((6,)), T((6,))),
+    _c("norm_instance_norm_manual", lambda a: (a - a.mean((2, 3), keepdim=True))
+       / torch.sqrt(a.var((2, 3), keepdim=True, correction=0) + 1e-5), X4),
+    _c("norm_cross_entropy_mean", lambda a, t: F.cross_entropy(a, t), X, T((6,), i64, "int:0:40")),
+    _c("norm_cross_entropy_sum_ignore", lambda a, t: F.cross_entropy(a, t, reduction="sum", ignore_index=3),
+       X, T((6,), i64, "int:0:6")),
+    _c("norm_cross_entropy_none", lambda a, t: F.cross_entropy(a, t, reduction="none"), X,
+       T((6,), i64, "int:0:40")),
+    _c("norm_nll_weight", lambda a, t, w: torch.ops.aten.nll_loss_forward(a.log_softmax(-1), t, w, 1, -100),
+       X, T((6,), i64, "int:0:40"), T((40,), kind="pos")),
+    _c("norm_softmax_then_sum_rows", lambda a: torch.softmax(a, -1).amax(-1).sum(), X),
+]
+
+DYNAMIC = [
+    _c("dyn_pointwise_bias", lambda a, b: (a * 2 + b).relu(), T((6, 40)), T((40,)), symbolic=True,
+       alt_inputs=(T((9, 24)), T((24,)))),
+    _c("dyn_softmax", lambda a: torch.softmax(a, -1), T((6, 40)), symbolic=True, alt_inputs=(T((3, 33)),)),
+    _c("dyn_layer_norm", lambda a, w, b: F.layer_norm(a, a.shape[-1:], w, b), T((2, 3, 40)), T((40,)),
+       T((40,)), symbolic=True, alt_inputs=(T((4, 5, 24)), T((24,)), T((24,)))),
+    _c("dyn_sum_first", lambda a: a.sum(0), T((6, 40)), symbolic=True, alt_inputs=(T((11, 7)),)),
+    _c("dyn_mean_all", lambda a: a.mean(), T((6, 40)), symbolic=True, alt_inputs=(T((5, 9)),)),
+    _c("dyn_cross_entropy", lambda a, t: F.cross_entropy(a, t), T((6, 40)), T((6,), i64, "int:0:20"),
+       symbolic=True, alt_inputs=(T((9, 30)), T((9,), i64, "int:0:20"))),
+]
+
+CASES = POINTWISE + REDUCTIONS + NORMS + DYNAMIC
+
+# Larger regions for the GPU tests only: many blocks, long rows, the vector paths and the
+# cross-row last-block stage with hundreds of blocks.
+BIG = [
+    _c("big_softmax", lambda a: torch.softmax(a, -1), T((512, 4096))),
+    _c("big_layer_norm_f16", lambda a, w, b: F.layer_norm(a, (768,), w, b), T((1024, 768), f16),
+       T((768,), f16), T((768,), f16), atol=1e-2),
+    _c("big_sum_first_column", lambda a: a.sum(0), T((4096, 512))),
+    _c("big_mean_all", lambda a: a.mean(), T((1 << 20,))),
+    _c("big_bias_gelu", lambda a, b: F.gelu(a + b), T((1024, 4096)), T((4096,))),
+    _c("big_bias_gelu_f16", lambda a, b: F.gelu(a + b), T((1024, 4096), f16), T((4096,), f16), atol=1e-2),
+    _c("big_cross_entropy", lambda a, t: F.cross_entropy(a, t), T((256, 32000)), T((256,), i64, "int:0:32000")),
+    _c("big_batch_norm_train", lambda a, w, b, m, v: torch.ops.aten._native_batch_norm_legit_functional(
+        a, w, b, m, v, True, 0.1, 1e-5), T((16, 64, 28, 28)), T((64,)), T((64,)), T((64,)), T((64,), kind="pos")),
+    _c("big_rms_norm_bf16", lambda a, w: F.rms_norm(a, (4096,), w, 1e-6), T((512, 4096), bf16), T((4096,), bf16),
+       atol=1e-2),
+    _c("big_argmax", lambda a: a.argmax(-1), T((300, 5000))),
+    _c("big_group_norm", lambda a, w, b: F.group_norm(a, 8, w, b), T((8, 64, 32, 32)), T((64,)), T((64,))),
+    _c("big_softmax_odd", lambda a: torch.softmax(a, -1), T((257, 1001))),
+]
+BY_NAME = {c.name: c for c in CASES}
+assert len(BY_NAME) == len(CASES), "duplicate case names"

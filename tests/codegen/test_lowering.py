@@ -1,0 +1,199 @@
+"""Lowering semantics without a GPU: the IR interpreter must match the eager GraphModule
+for every case of the table; unsupported regions must say why; the public handle's
+fields and launch plans are what the launcher expects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from stitch_backend.codegen import FusedKernel, LaunchPlan, Unsupported, generate
+from stitch_backend.codegen import indexing as ix
+from stitch_backend.codegen.lower import lower
+
+from .cases import BY_NAME, CASES, Case
+
+
+def _trace(fn, *args, mode="fake"):
+    return make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode=mode)(*args)
+
+
+def _as_list(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def assert_matches(got, ref, tol):
+    assert len(got) == len(ref)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g.dtype == r.dtype, f"output {i}: dtype {g.dtype} vs eager {r.dtype}"
+        assert g.shape == r.shape, f"output {i}: shape {tuple(g.shape)} vs eager {tuple(r.shape)}"
+        if r.numel():
+            assert g.stride() == r.stride(), f"output {i}: strides {g.stride()} vs eager {r.stride()}"
+        if r.dtype.is_floating_point:
+            torch.testing.assert_close(g, r, atol=tol, rtol=tol, equal_nan=True, msg=f"output {i}")
+        else:
+            assert torch.equal(g, r), f"output {i}: {g} vs {r}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_interpreter_matches_eager(case: Case):
+    gm = case.trace()
+    kernel = generate(gm, case.name)
+    tol = 1e-2 if case.half else 1e-5
+    for alt in ([False, True] if case.alt_inputs else [False]):
+        inputs = case.make_inputs(seed=7, alt=alt)
+        assert_matches(kernel.interpret(inputs), _as_list(gm(*inputs)), tol)
+
+
+# ----------------------------------------------------------------------------- unsupported
+
+
+@pytest.mark.parametrize("fn, args, needle", [
+    (lambda a: torch.softmax(a, -1).sum(0), (torch.randn(4, 8),), "iteration space"),
+    (lambda a: a @ a.t(), (torch.randn(4, 8),), "aten.mm.default"),
+    (lambda a: a + torch.rand_like(a), (torch.randn(4, 8),), "rand"),
+    (lambda a: torch.cumsum(a, 1), (torch.randn(4, 8),), "aten.cumsum.default"),
+    (lambda a: torch.softmax(a, -1) * torch.softmax(a, -1).amax(-1).sum(), (torch.randn(4, 8),), "cross-row"),
+    (lambda a: (torch.softmax(a, -1)[:, None, :] * torch.ones(3, 1)), (torch.randn(4, 8),), "iteration space"),
+])
+def test_unsupported_says_why(fn, args, needle):
+    gm = _trace(fn, *args)
+    with pytest.raises(Unsupported) as info:
+        generate(gm, "bad")
+    assert needle in info.value.reason
+
+
+def test_unsupported_is_a_stitch_error():
+    from stitch_backend.exc import StitchError
+    assert issubclass(Unsupported, StitchError)
+
+
+def test_bad_kernel_name_is_rejected():
+    gm = _trace(lambda a: a + 1, torch.randn(4))
+    with pytest.raises(ValueError, match="C identifier"):
+        generate(gm, "not a name")
+
+
+# ----------------------------------------------------------------------------- index algebra
+
+
+def test_simplifier_undoes_view_round_trips():
+    i0, i1 = ix.loop_var(0), ix.loop_var(1)
+    simp = ix.Simplifier({i0: (0, 3), i1: (0, 7)})
+    flat = 8 * i0 + i1
+    assert simp.simplify(ix.FDiv(flat, 8)) == i0
+    assert simp.simplify(ix.IMod(flat, 8)) == i1
+    assert simp.simplify(8 * ix.FDiv(i1 + 8 * i0, 8) + ix.IMod(i1 + 8 * i0, 8)) == flat
+    assert simp.simplify(ix.IMod(flat, 4)) == ix.IMod(i1, 4)
+
+
+def test_views_lower_to_plain_offsets():
+    gm = _trace(lambda a: (a.view(2, 3, 40).permute(2, 0, 1).reshape(40, 6).t() * 2).contiguous(),
+                torch.randn(6, 40))
+    ir = lower(gm, "views")
+    offsets = [s.offset for s in ir.stores]
+    text = " ".join(map(str, offsets)) + " ".join(str(n) for n in ir.all_exprs())
+    assert "FDiv" not in text and "IMod" not in text
+    assert len(ir.domain.row_vars) == 1  # contiguous in and out: one merged loop variable
+
+
+def test_group_norm_domain_is_rows_by_group():
+    gm = _trace(lambda a, w, b: F.group_norm(a, 3, w, b), torch.randn(2, 6, 5, 7), torch.randn(6),
+                torch.randn(6))
+    ir = lower(gm, "gn")
+    assert int(ir.domain.rows) == 2 * 3 and int(ir.domain.reduce_len) == 2 * 35
+    assert [r.phase for r in ir.reductions] == [0, 1]  # mean, then centred sum of squares
+
+
+def test_cross_entropy_is_one_kernel_with_cross_row_stage():
+    case = BY_NAME["norm_cross_entropy_mean"]
+    ir = lower(case.trace(), "ce")
+    assert {r.level for r in ir.reductions} == {"inner", "outer"}
+    assert [s.level for s in ir.stores] == ["outer"]
+
+
+# ----------------------------------------------------------------------------- the handle
+
+
+def test_fused_kernel_fields_and_source():
+    case = BY_NAME["norm_layer_norm"]
+    k = generate(case.trace(), "region_ln", sm_count=132)
+    assert isinstance(k, FusedKernel)
+    assert k.name == k.entry == "region_ln"
+    assert 'extern "C" __global__' in k.source and "region_ln(" in k.source
+    assert "aten.native_layer_norm.default" in k.source.split("extern")[0]
+    assert k.ops == ["aten.native_layer_norm.default"]
+    assert k.signature == "ppppi"  # x, w, b, y, log2_tk
+    assert "sfk_ldv<4>" in k.source  # 16-byte vector path for fp32 rows
+    assert "atomicAdd" not in k.source
+    with pytest.raises(Exception):
+        k.name = "other"  # frozen
+
+
+def test_prepare_allocates_eager_layouts_and_args():
+    case = BY_NAME["norm_layer_norm_outputs"]
+    gm = case.trace()
+    k = generate(gm, "ln3")
+    inputs = case.make_inputs(seed=3)
+    plan = k.prepare(inputs)
+    assert isinstance(plan, LaunchPlan)
+    ref = gm(*inputs)
+    for o, r in zip(plan.outputs, ref):
+        assert (o.shape, o.stride(), o.dtype) == (r.shape, r.stride(), r.dtype)
+    assert len(plan.args) == len(k.signature)
+    assert plan.args[:3] == tuple(x.data_ptr() for x in inputs)
+    assert plan.args[3:6] == tuple(o.data_ptr() for o in plan.outputs)
+    threads = plan.block[0]
+    assert threads & (threads - 1) == 0 and 32 <= threads <= 1024
+    assert 1 <= plan.grid[0] <= 132 * 2048 // threads and plan.shared_mem == 0
+
+
+def test_prepare_sizes_grid_from_sm_count():
+    gm = _trace(lambda a: a * 2, torch.randn(1 << 16))
+    small = generate(gm, "pw", sm_count=4).prepare([torch.randn(1 << 16)])
+    big = generate(gm, "pw", sm_count=132).prepare([torch.randn(1 << 16)])
+    assert small.grid[0] == 4 * 2048 // 256
+    assert big.grid[0] == (1 << 16) // (256 * 4)
+
+
+def test_cross_row_kernel_gets_workspace_and_ticket():
+    case = BY_NAME["norm_cross_entropy_mean"]
+    k = generate(case.trace(), "ce")
+    plan = k.prepare(case.make_inputs(seed=1))
+    assert k.signature == "pp" + "p" + "ppp" + "i"
+    ticket = plan.scratch[-1]
+    assert ticket.dtype == torch.int32 and int(ticket.item()) == 0
+
+
+def test_dynamic_kernel_takes_sizes_as_arguments():
+    case = BY_NAME["dyn_softmax"]
+    k = generate(case.trace(), "dyn")
+    assert "l" in k.signature
+    for alt in (False, True):
+        inputs = case.make_inputs(seed=2, alt=alt)
+        plan = k.prepare(inputs)
+        sizes = [a for a, c in zip(plan.args, k.signature) if c == "l"]
+        assert sorted(sizes) == sorted(inputs[0].shape)
+
+
+def test_prepare_rejects_inputs_of_another_layout():
+    case = BY_NAME["norm_softmax"]
+    k = generate(case.trace(), "sm")
+    with pytest.raises(ValueError, match="shape"):
+        k.prepare([torch.randn(5, 40)])
+    with pytest.raises(ValueError, match="strides"):
+        k.prepare([torch.randn(40, 6).t()])
+    with pytest.raises(ValueError, match="dtype"):
+        k.prepare([torch.randn(6, 40, dtype=torch.float64)])
+
+
+def test_half_results_round_where_eager_rounds():
+    # (a * b) rounds to fp16 before + 1 in eager; the kernel must round there too
+    a = torch.full((8,), 1.0009765625, dtype=torch.float16)
+    b = torch.full((8,), 1.0009765625, dtype=torch.float16)
+    gm = _trace(lambda x, y: x * y + 1e-3, a, b)
+    out = generate(gm, "h").interpret([a, b])[0]
+    assert torch.equal(out, gm(a, b))
