@@ -119,27 +119,23 @@ def _compare_leaf(o: Any, e: Any, r: Any, *, factor: float, tol: float | None,
         return Comparison(equal, equal, 0.0 if equal else math.inf, 0.0, 0.0,
                           "equal" if equal else "integer/bool output differs from eager")
 
-    ok_kb = bool(torch.allclose(o_, e_, atol=t, rtol=t))
-    od, ed = o_.double(), e_.double()
-    o_fin, e_fin = torch.isfinite(od), torch.isfinite(ed)
-    same_nonfinite = (torch.isnan(od) & torch.isnan(ed)) | (torch.isinf(od) & (od == ed))
-    both_fin = o_fin & e_fin
-    diff = torch.where(both_fin, (od - ed).abs(), torch.zeros_like(od))
-    diff = torch.where(~both_fin & ~same_nonfinite, torch.full_like(od, math.inf), diff)
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-
-    # NaN/Inf only where eager has the same.
-    bad_nonfinite = ~o_fin & ~same_nonfinite
-    n_bad = int(bad_nonfinite.sum())
     stride_why = _stride_mismatch(o_, e_)
-    if n_bad or stride_why:
-        why = (f"{n_bad} NaN/Inf where eager has none" if n_bad else stride_why)
-        norm, enorm = _norm_errors(od, ed, r, e_fin)
-        return Comparison(ok_kb and not n_bad, False, max_abs, norm, enorm, why)
-
-    within = bool(((od - ed).abs() <= t + t * ed.abs())[e_fin].all()) if e_fin.any() else True
-    norm, enorm = _norm_errors(od, ed, r, e_fin)
-    if within:
+    acc = _Accumulator()
+    ro = r.detach() if isinstance(r, torch.Tensor) and r.shape == o_.shape else None
+    # In chunks, in fp64: KernelBench's level-1 outputs reach several GB, and the
+    # fp64 temporaries of a whole-tensor comparison would not fit beside them.
+    fo, fe = o_.reshape(-1), e_.reshape(-1)
+    fr = ro.reshape(-1) if ro is not None else None
+    for lo in range(0, fo.numel(), _CHUNK):
+        hi = min(lo + _CHUNK, fo.numel())
+        acc.add(fo[lo:hi], fe[lo:hi], fr[lo:hi].to(fo.device) if fr is not None else None, t)
+    ok_kb = acc.allclose
+    max_abs = acc.max_abs
+    norm, enorm = acc.norm_errors(usable=ro is not None)
+    if acc.n_bad or stride_why:
+        why = (f"{acc.n_bad} NaN/Inf where eager has none" if acc.n_bad else stride_why)
+        return Comparison(ok_kb and not acc.n_bad, False, max_abs, norm, enorm, why)
+    if acc.within:
         return Comparison(ok_kb, True, max_abs, norm, enorm, f"within {t:g} of eager")
     if r is None or math.isnan(norm):
         why = no_fp64_why if r is None else "fp64 reference unusable (shape/values)"
@@ -154,20 +150,53 @@ def _compare_leaf(o: Any, e: Any, r: Any, *, factor: float, tol: float | None,
                       f"{norm:.3g} > {factor:g} x eager's {enorm:.3g}")
 
 
-def _norm_errors(od: torch.Tensor, ed: torch.Tensor, r: Any,
-                 e_fin: torch.Tensor) -> tuple[float, float]:
-    """(out's, eager's) normalised max error vs fp64 over positions where eager and the
-    reference are finite; (nan, nan) without a usable reference."""
-    if not isinstance(r, torch.Tensor) or r.shape != od.shape:
-        return math.nan, math.nan
-    rd = r.detach().to(od.device).double()
-    mask = e_fin & torch.isfinite(rd) & torch.isfinite(od)
-    if not mask.any():
-        return 0.0, 0.0
-    rm = rd[mask]
-    scale = float(rm.abs().max())
-    scale = scale if scale > 0 else 1.0
-    return (float((od[mask] - rm).abs().max()) / scale, float((ed[mask] - rm).abs().max()) / scale)
+_CHUNK = 1 << 24
+
+
+class _Accumulator:
+    """The comparison's statistics gathered chunk by chunk (same results as whole-tensor)."""
+
+    def __init__(self) -> None:
+        self.allclose = True
+        self.max_abs = 0.0
+        self.n_bad = 0
+        self.within = True
+        self.out_err = 0.0      # max |out - fp64| where eager, fp64 and out are finite
+        self.eager_err = 0.0
+        self.scale = 0.0        # max |fp64| there
+        self.any_masked = False
+
+    def add(self, o: torch.Tensor, e: torch.Tensor, r: torch.Tensor | None, t: float) -> None:
+        self.allclose &= bool(torch.allclose(o, e, atol=t, rtol=t))
+        od, ed = o.double(), e.double()
+        o_fin, e_fin = torch.isfinite(od), torch.isfinite(ed)
+        same_nonfinite = (torch.isnan(od) & torch.isnan(ed)) | (torch.isinf(od) & (od == ed))
+        both_fin = o_fin & e_fin
+        absdiff = (od - ed).abs()
+        diff = torch.where(both_fin, absdiff, torch.zeros_like(od))
+        diff = torch.where(~both_fin & ~same_nonfinite, torch.full_like(od, math.inf), diff)
+        if diff.numel():
+            self.max_abs = max(self.max_abs, float(diff.max()))
+        self.n_bad += int((~o_fin & ~same_nonfinite).sum())
+        if e_fin.any():
+            self.within &= bool((absdiff <= t + t * ed.abs())[e_fin].all())
+        if r is not None:
+            rd = r.double()
+            mask = e_fin & torch.isfinite(rd) & o_fin
+            if mask.any():
+                self.any_masked = True
+                rm = rd[mask]
+                self.scale = max(self.scale, float(rm.abs().max()))
+                self.out_err = max(self.out_err, float((od[mask] - rm).abs().max()))
+                self.eager_err = max(self.eager_err, float((ed[mask] - rm).abs().max()))
+
+    def norm_errors(self, usable: bool) -> tuple[float, float]:
+        if not usable:
+            return math.nan, math.nan
+        if not self.any_masked:
+            return 0.0, 0.0
+        scale = self.scale if self.scale > 0 else 1.0
+        return self.out_err / scale, self.eager_err / scale
 
 
 def _stride_mismatch(o: torch.Tensor, e: torch.Tensor) -> str:

@@ -104,7 +104,9 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str) -> list[B
     with tempfile.TemporaryDirectory(prefix="stitchcuda-bench-") as tmp_name:
         tmp = Path(tmp_name)
         out = tmp / "records.jsonl"
-        cmd = [cfg.python, "-m", "stitch_backend.bench.worker", *task_cfg.to_argv(out)]
+        # -P: the child must import the installed package, not a source tree in the cwd
+        # (agents/ and cache/ only become stitch_backend.* when installed).
+        cmd = [cfg.python, "-P", "-m", "stitch_backend.bench.worker", *task_cfg.to_argv(out)]
         t0 = time.monotonic()
         with (tmp / "stdout.txt").open("wb") as so, (tmp / "stderr.txt").open("wb") as se:
             # Its own session, so a timeout kills the child and anything it started (nvcc).

@@ -51,7 +51,7 @@ class TaskConfig:
     task_run: str = ""
     caches: str = "keep"
     recompile: bool = True
-    ref_cache_bytes: int | None = None      # None: a quarter of device memory (CUDA), 4 GiB (CPU)
+    ref_cache_bytes: int | None = None      # None: an eighth of device memory (CUDA), 4 GiB (CPU)
 
     def to_argv(self, out: Path) -> list[str]:
         argv = ["--spec", self.spec, "--name", self.name, "--backends", ",".join(self.backends),
@@ -141,7 +141,7 @@ class References:
         if cfg.ref_cache_bytes is not None:
             self.budget = cfg.ref_cache_bytes
         elif device.type == "cuda":
-            self.budget = torch.cuda.get_device_properties(device).total_memory // 4
+            self.budget = torch.cuda.get_device_properties(device).total_memory // 8
         else:
             self.budget = 4 << 30
         self._cache: dict[int, TrialRef] = {}
