@@ -303,7 +303,7 @@ def _channel(t: LT | None, nd: int) -> LT | None:
 
 def _to_meta_shape(lt: LT, shape, dtype) -> LT:
     """``lt`` (keepdim layout of the same numel) reshaped to ``shape``, cast to dtype."""
-    from .lower_ops import _reshape_index
+    from .lower_views import _reshape_index
     shape = tuple(ix.sympify_size(s) for s in shape)
     return LT(shape, dtype, lambda o: cast(lt.at(_reshape_index(o, shape, lt.shape)), dtype))
 
@@ -343,7 +343,7 @@ def _group_norm(ctx, node, x, w, b, N, C, HxW, group, eps):
         raise Unsupported("native_group_norm with a symbolic channel count")
     Cg = sympy.Integer(int(Cs) // G)
     view_shape = (ix.sympify_size(N), sympy.Integer(G), Cg, ix.sympify_size(HxW))
-    from .lower_ops import _reshape_index
+    from .lower_views import _reshape_index
     xv = LT(view_shape, x.dtype, lambda o: x.at(_reshape_index(o, view_shape, x.shape)))
     xhat, mean, rstd, _ = _normalize(ctx, xv, (2, 3), eps, c, "native_group_norm")
     xhat_full = LT(x.shape, c, lambda o: xhat.at(_reshape_index(o, x.shape, view_shape)))

@@ -1,0 +1,212 @@
+"""Lowering rules for views and gathers: they only rewrite the index of their input.
+
+reshape/view split and merge dims (one linearise/delinearise per group of dims whose
+sizes match), permute/transpose reorder, expand/unsqueeze/squeeze insert or drop
+constant-0 indices, slice/select/narrow/split offset them; gather/index_select/
+embedding index with a loaded value (a data-dependent index symbol).
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+
+from . import indexing as ix
+from .lower import LT, bcast_index
+from .lower_ops import _maybe, _shape, _val, rule
+
+aten = torch.ops.aten
+
+
+# ----------------------------------------------------------------------------- views
+
+
+def _norm_dim(d, nd):
+    return d % nd if nd else 0
+
+
+def _reshape_index(o, out_shape, in_shape):
+    """Index into ``in_shape`` for index ``o`` of its row-major reshape ``out_shape``."""
+    ins = [(j, s) for j, s in enumerate(in_shape) if s != 1]
+    outs = [(j, s) for j, s in enumerate(out_shape) if s != 1]
+    idx = [sympy.Integer(0)] * len(in_shape)
+    groups = []
+    a = b = 0
+    while a < len(ins) or b < len(outs):
+        ga, gb = [ins[a]] if a < len(ins) else [], [outs[b]] if b < len(outs) else []
+        a += bool(ga)
+        b += bool(gb)
+        pa, pb = ix.prod(s for _, s in ga), ix.prod(s for _, s in gb)
+        while not ix.known_equal(pa, pb):
+            if pa.is_Integer and pb.is_Integer:
+                if pa < pb and a < len(ins):
+                    ga.append(ins[a]); a += 1; pa = pa * ins[a - 1][1]
+                elif pb < pa and b < len(outs):
+                    gb.append(outs[b]); b += 1; pb = pb * outs[b - 1][1]
+                else:
+                    break
+            else:
+                break
+        if not ix.known_equal(pa, pb):
+            groups = None
+            break
+        groups.append((ga, gb))
+    if groups is None:  # one big group: linearize everything
+        groups = [(ins, outs)]
+    for ga, gb in groups:
+        lin = ix.linearize([o[j] for j, _ in gb], [s for _, s in gb])
+        digits = ix.delinearize(lin, [s for _, s in ga])
+        for (j, _), d in zip(ga, digits):
+            idx[j] = d
+    return tuple(idx)
+
+
+@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+      _maybe("view_copy", "default"))
+def _view(ctx, node, x, shape):
+    out_shape = _shape(node)
+    return LT(out_shape, x.dtype, lambda o: x.at(_reshape_index(o, out_shape, x.shape)))
+
+
+@rule(aten.permute.default)
+def _permute(ctx, node, x, dims):
+    nd = x.ndim
+    dims = [_norm_dim(d, nd) for d in dims]
+
+    def fn(o):
+        idx = [None] * nd
+        for j, d in enumerate(dims):
+            idx[d] = o[j]
+        return x.at(tuple(idx))
+    return LT(_shape(node), x.dtype, fn)
+
+
+@rule(aten.t.default)
+def _t(ctx, node, x):
+    if x.ndim < 2:
+        return x
+    return LT(_shape(node), x.dtype, lambda o: x.at((o[1], o[0])))
+
+
+@rule(aten.transpose.int)
+def _transpose(ctx, node, x, a, b):
+    nd = x.ndim
+    a, b = _norm_dim(a, nd), _norm_dim(b, nd)
+
+    def fn(o):
+        idx = list(o)
+        idx[a], idx[b] = o[b], o[a]
+        return x.at(tuple(idx))
+    return LT(_shape(node), x.dtype, fn)
+
+
+@rule(aten.expand.default, _maybe("expand_copy", "default"))
+def _expand(ctx, node, x, sizes, implicit=False):
+    shape = _shape(node)
+    return LT(shape, x.dtype, lambda o: x.at(bcast_index(x.shape, shape, o)))
+
+
+@rule(aten.unsqueeze.default)
+def _unsqueeze(ctx, node, x, dim):
+    d = dim % (x.ndim + 1)
+    return LT(_shape(node), x.dtype, lambda o: x.at(o[:d] + o[d + 1:]))
+
+
+@rule(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def _squeeze(ctx, node, x, dims=None):
+    nd = x.ndim
+    if dims is None:
+        dims = list(range(nd))
+    elif isinstance(dims, int):
+        dims = [dims]
+    drop = {_norm_dim(d, nd) for d in dims if x.shape[_norm_dim(d, nd)] == 1} if nd else set()
+
+    def fn(o):
+        it = iter(o)
+        return x.at(tuple(sympy.Integer(0) if j in drop else next(it) for j in range(nd)))
+    return LT(_shape(node), x.dtype, fn)
+
+
+def _slice_lt(x, dim, start, length_shape, step=1):
+    def fn(o):
+        idx = list(o)
+        idx[dim] = start + o[dim] * step
+        return x.at(tuple(idx))
+    return LT(length_shape, x.dtype, fn)
+
+
+def _norm_start(start, size):
+    if start is None:
+        return sympy.Integer(0)
+    start = ix.sympify_size(start) if not isinstance(start, int) else sympy.Integer(start)
+    if start.is_Integer and start < 0:
+        start = start + size
+        if start.is_Integer and start < 0:
+            start = sympy.Integer(0)
+    return start
+
+
+@rule(aten.slice.Tensor)
+def _slice(ctx, node, x, dim=0, start=None, end=None, step=1):
+    dim = _norm_dim(dim, x.ndim)
+    return _slice_lt(x, dim, _norm_start(start, x.shape[dim]), _shape(node), step)
+
+
+@rule(aten.narrow.default)
+def _narrow(ctx, node, x, dim, start, length):
+    dim = _norm_dim(dim, x.ndim)
+    return _slice_lt(x, dim, _norm_start(start, x.shape[dim]), _shape(node))
+
+
+@rule(aten.select.int)
+def _select(ctx, node, x, dim, index):
+    dim = _norm_dim(dim, x.ndim)
+    index = _norm_start(index, x.shape[dim])
+    return LT(_shape(node), x.dtype, lambda o: x.at(o[:dim] + (index,) + o[dim:]))
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+def _split(ctx, node, x, arg=None, dim=0):
+    name = node.target.overloadpacket.__name__
+    if name == "unbind":
+        dim = _norm_dim(arg if arg is not None else 0, x.ndim)
+        return tuple(LT(tuple(v.shape), x.dtype, (lambda k: lambda o: x.at(o[:dim] + (sympy.Integer(k),) + o[dim:]))(k))
+                     for k, v in enumerate(_val(node)))
+    dim = _norm_dim(dim, x.ndim)
+    outs, start = [], sympy.Integer(0)
+    for v in _val(node):
+        shape = tuple(v.shape)
+        outs.append(_slice_lt(x, dim, start, shape))
+        start = start + ix.sympify_size(shape[dim])
+    return tuple(outs)
+
+
+# ----------------------------------------------------------------------------- gathers
+
+
+@rule(aten.gather.default)
+def _gather(ctx, node, x, dim, index, sparse_grad=False):
+    dim = _norm_dim(dim, x.ndim)
+
+    def fn(o):
+        g = ctx.data_index(index.at(o), x.shape[dim])
+        return x.at(o[:dim] + (g,) + o[dim + 1:])
+    return LT(_shape(node), x.dtype, fn)
+
+
+@rule(aten.index_select.default)
+def _index_select(ctx, node, x, dim, index):
+    dim = _norm_dim(dim, x.ndim)
+
+    def fn(o):
+        g = ctx.data_index(index.at((o[dim],) if index.ndim else ()), x.shape[dim])
+        return x.at(o[:dim] + (g,) + o[dim + 1:])
+    return LT(_shape(node), x.dtype, fn)
+
+
+@rule(aten.embedding.default)
+def _embedding(ctx, node, weight, indices, *rest):
+    def fn(o):
+        g = ctx.data_index(indices.at(o[:-1]), weight.shape[0])
+        return weight.at((g, o[-1]))
+    return LT(_shape(node), weight.dtype, fn)
