@@ -42,14 +42,18 @@ def _upcast(inputs: Sequence[Any]) -> list[Any]:
 
 def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier,
                       trajectory: Trajectory | None = None,
-                      on_done: Callable[[Program], None] | None = None) -> Any:
+                      on_done: Callable[[Program], None] | None = None,
+                      make_runner: Callable[[Any], Any] | None = None) -> Any:
     """Run ``program`` on ATen for ``inputs``, verify and install its pending candidates,
-    check the whole Program, and return the ATen outputs."""
+    check the whole Program, and return the ATen outputs. ``make_runner(candidate)``
+    builds the callable that runs a candidate (default: load its cubin on the GPU)."""
     from stitch_backend.kernels import KernelRunner
+
+    make_runner = make_runner or KernelRunner
 
     pending = dict(program.pending)
     program.pending = {}
-    accepted: dict[int, KernelRunner] = {}
+    accepted: dict[int, Any] = {}
     verdicts: dict[int, Verdict] = {}
 
     def observe(step: Step, step_inputs: list[Any], _outs: Sequence[Any]) -> None:
@@ -57,7 +61,7 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         if cand is None:
             return
         try:
-            runner = KernelRunner(cand)
+            runner = make_runner(cand)
             verdict = verifier.check(runner.poisoning(), step.aten, step_inputs,
                                      seed=step.region.id)
         except Exception as err:  # noqa: BLE001 - a broken candidate is a rejection

@@ -35,8 +35,10 @@ class Implementation:
 
 
 def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
-              sm_count: int = 132, workers: int | None = None) -> Implementation:
-    """Propose and compile a candidate for every region the templates cover."""
+              sm_count: int = 132, workers: int | None = None,
+              compile: bool = True) -> Implementation:
+    """Propose and compile a candidate for every region the templates cover
+    (``compile=False``: propose only, for the CPU interpreter)."""
     from stitch_backend.toolchain import CompileError, CompileJob, compile_many, csrc_dir
 
     coder = TemplateCoder(sm_count=sm_count)
@@ -60,6 +62,12 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         code_log.debug("// region %s\n%s", sub.region_name, cand.source)
         proposals.append(cand)
 
+    if not compile:
+        out = Implementation(trajectory=trajectory)
+        for cand in proposals:
+            out.candidates[cand.region_id] = cand
+            trajectory.attempts.append(Attempt("generate", cand, None))
+        return out
     t0 = time.perf_counter()
     jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
             for c in proposals]

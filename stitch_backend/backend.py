@@ -124,6 +124,10 @@ class StitchBackend:
             notes.append(why)
             self._mark_aten(plan, why)
             program = Program(gm, plan)
+        elif device == "cpu" and self.config.cpu_interpret and self.config.codegen:
+            notes.append("cpu_interpret: generated kernels run through the IR interpreter "
+                         "(a testing aid; never cached)")
+            program = self._build_interpreted(gm, plan, key, record)
         elif device != "cuda":
             why = (f"inputs are on {device}: stitchcuda generates CUDA kernels only, "
                    "so every region of this graph runs on ATen")
@@ -214,6 +218,28 @@ class StitchBackend:
         verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
         verify = functools.partial(verify_first_call, verifier=verifier,
                                    trajectory=impl.trajectory, on_done=on_done)
+        return Program(gm, plan, pending=impl.candidates, verify=verify)
+
+    def _build_interpreted(self, gm, plan: Plan, key: GraphKey, record: GraphRecord) -> Program:
+        """The CUDA pipeline with the CPU interpreter in place of nvcc and the GPU."""
+        from stitch_backend.agents.acceptance import verify_first_call
+        from stitch_backend.agents.loop import implement
+        from stitch_backend.agents.state import Task
+        from stitch_backend.agents.verifier import Verifier, VerifySettings
+
+        from .kernels import InterpretedRunner
+
+        task = Task(graph=plan.graph_name, key=key.digest, arch="cpu", device="cpu")
+        impl = implement(task, gm, plan, arch="cpu", compile=False)
+        self.trajectories.append(impl.trajectory)
+        if not self.config.verify:
+            for rid, cand in impl.candidates.items():
+                plan.regions[rid].backend, plan.regions[rid].kernel = "kernel", cand.name
+            return Program(gm, plan, {rid: InterpretedRunner(c)
+                                      for rid, c in impl.candidates.items()})
+        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
+        verify = functools.partial(verify_first_call, verifier=verifier,
+                                   trajectory=impl.trajectory, make_runner=InterpretedRunner)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
 
     @staticmethod

@@ -66,6 +66,13 @@ class Config:
         metadata=_meta("STITCHCUDA_FOLD_BATCHNORM", True,
                        "Fold eval-mode BatchNorm into the preceding convolution at load."),
     )
+    cpu_interpret: bool = field(
+        default=False,
+        metadata=_meta("STITCHCUDA_CPU_INTERPRET", True,
+                       "Testing aid: on CPU inputs, run generated kernels through the kernel-IR "
+                       "interpreter, so the Coder/Verifier/Program pipeline runs without a "
+                       "GPU. Never faster than ATen; nothing is cached in this mode."),
+    )
     # Precision: defaults follow eager under the user's settings (DESIGN.md). The
     # looser modes are opt-in by name.
     allow_tanh_gelu: bool = field(

@@ -50,3 +50,18 @@ class KernelRunner:
         if launch.grid[0] * launch.grid[1] * launch.grid[2] > 0:
             self._fn.launch(launch.grid, launch.block, launch.args, launch.shared_mem)
         return launch.outputs
+
+
+class InterpretedRunner:
+    """The ``cpu_interpret`` stand-in for a KernelRunner: the candidate's kernel IR run
+    by the CPU interpreter (which poisons its outputs itself). A testing aid."""
+
+    def __init__(self, candidate: Any, *, poison: bool = True):
+        self.candidate = candidate
+        self.kernel = candidate.kernel
+
+    def poisoning(self) -> "InterpretedRunner":
+        return self
+
+    def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
+        return self.kernel.interpret(inputs)
