@@ -47,9 +47,9 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
     """Run ``program`` on ATen for ``inputs``, verify and install its pending candidates,
     check the whole Program, and return the ATen outputs. ``make_runner(candidate)``
     builds the callable that runs a candidate (default: load its cubin on the GPU)."""
-    from stitch_backend.kernels import KernelRunner
+    from stitch_backend.kernels import runner_for
 
-    make_runner = make_runner or KernelRunner
+    make_runner = make_runner or runner_for
 
     pending = dict(program.pending)
     program.pending = {}

@@ -48,7 +48,7 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         if region.kind is RegionKind.FALLBACK:
             continue
         sub = Subtask(region_id=region.id, region_name=f"{task.graph}_{region.name}",
-                      kind=region.kind.value, ops=region.ops)
+                      kind=region.kind.value, ops=region.ops, graph=gm, region=region)
         try:
             sub.module = region_module(gm, region)
             cand = coder.propose(sub)

@@ -28,6 +28,7 @@ import torch.fx
 
 from stitch_backend.ir import Plan, Region, RegionKind
 from stitch_backend.opclass import OpClass, classify, fallback_reason, op_name
+from stitch_backend.regions import boundary
 
 log = logging.getLogger("stitch_backend.agents.planner")
 
@@ -204,19 +205,10 @@ def _finish(gm: torch.fx.GraphModule, regions: list[_Open], graph_name: str) -> 
         r.nodes.sort(key=order.__getitem__)
         for n in r.nodes:
             owner[n] = i
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
     result: list[Region] = []
     compute = 0
     for i, r in enumerate(regions):
-        members = set(r.nodes)
-        inputs: list[str] = []
-        outputs: list[str] = []
-        for n in r.nodes:
-            for d in n.all_input_nodes:
-                if d not in members and d.name not in inputs:
-                    inputs.append(d.name)
-            if any(u not in members for u in n.users) and n.name not in outputs:
-                outputs.append(n.name)
+        inputs, outputs = boundary(gm, [n.name for n in r.nodes])
         ops = [op_name(n) for n in r.nodes if classify(n) is not OpClass.VIEW]
         compute += len(r.nodes)
         reason = r.reason
@@ -224,7 +216,6 @@ def _finish(gm: torch.fx.GraphModule, regions: list[_Open], graph_name: str) -> 
             reason = "no template"
         result.append(Region(id=i, kind=r.kind, nodes=[n.name for n in r.nodes], ops=ops,
                              inputs=inputs, outputs=outputs, reason=reason))
-    del out_node
     return Plan(graph_name=graph_name, regions=result, node_count=compute)
 
 

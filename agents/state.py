@@ -33,6 +33,19 @@ class Subtask:
     kind: str
     ops: list[str]
     module: Any = field(default=None, repr=False, compare=False)  # the region's GraphModule
+    graph: Any = field(default=None, repr=False, compare=False)   # the whole ATen graph
+    region: Any = field(default=None, repr=False, compare=False)  # ir.Region
+
+
+@dataclass
+class Prologue:
+    """For a gemm/conv candidate: the library call that runs before its epilogue kernel."""
+
+    head: Any                 # ir.Region: the anchor op and the views feeding it (ATen)
+    tail: Any                 # ir.Region: the epilogue the kernel implements
+    head_module: Any = field(repr=False)
+    region_inputs: list[str] = field(default_factory=list)
+    region_outputs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -48,6 +61,7 @@ class Candidate:
     cubin: bytes | None = field(default=None, repr=False, compare=False)
     compile_s: float | None = None
     compile_error: str | None = None
+    prologue: Prologue | None = field(default=None, repr=False, compare=False)
 
     @property
     def trusted(self) -> bool:
@@ -96,8 +110,9 @@ class Trajectory:
         """One JSON-able record per attempt (sources included, binaries not)."""
         out = []
         for a in self.attempts:
-            cand = {k: v for k, v in asdict(a.candidate).items()
-                    if k not in ("kernel", "cubin")}
+            cand = {k: getattr(a.candidate, k) for k in
+                    ("region_id", "origin", "name", "source", "signature", "compile_s",
+                     "compile_error")}
             out.append({"task": asdict(self.task), "action": a.action, "candidate": cand,
                         "verdict": asdict(a.verdict) if a.verdict else None})
         return out

@@ -135,7 +135,7 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int) -> Warm
     entry does not fit this graph, so the caller compiles afresh."""
     from stitch_backend.agents.coder import TemplateCoder
     from stitch_backend.agents.state import Subtask
-    from stitch_backend.kernels import KernelRunner
+    from stitch_backend.kernels import runner_for
 
     from .regions import region_module
 
@@ -154,7 +154,8 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int) -> Warm
     for k in manifest.get("kernels", []):
         region = plan.regions[k["region"]]
         sub = Subtask(region_id=region.id, region_name=f"{task_graph}_{region.name}",
-                      kind=region.kind.value, ops=region.ops, module=region_module(gm, region))
+                      kind=region.kind.value, ops=region.ops, module=region_module(gm, region),
+                      graph=gm, region=region)
         try:
             cand = coder.propose(sub)
         except Exception as err:  # noqa: BLE001
@@ -166,7 +167,7 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int) -> Warm
                         entry.key[:12], k["name"])
             return None
         cand.cubin = entry.read(k["cubin"])
-        runners[region.id] = KernelRunner(cand)
+        runners[region.id] = runner_for(cand)
     for r, s in zip(plan.regions, stored.regions):
         r.backend, r.kernel, r.speedup, r.time_ms, r.reason = (
             s.backend, s.kernel, s.speedup, s.time_ms, s.reason)

@@ -202,12 +202,12 @@ class StitchBackend:
         notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "
                      f"{impl.compile_s:.2f} s")
         if not self.config.verify:
-            from .kernels import KernelRunner
+            from .kernels import runner_for
 
             notes.append("verify=False: candidates installed UNVERIFIED (debugging only)")
             for rid, cand in impl.candidates.items():
                 plan.regions[rid].backend, plan.regions[rid].kernel = "kernel", cand.name
-            return Program(gm, plan, {rid: KernelRunner(c) for rid, c in impl.candidates.items()})
+            return Program(gm, plan, {rid: runner_for(c) for rid, c in impl.candidates.items()})
         if not impl.candidates:
             return self._finish_uncompiled(gm, plan, record, slot)
 
@@ -227,19 +227,19 @@ class StitchBackend:
         from stitch_backend.agents.state import Task
         from stitch_backend.agents.verifier import Verifier, VerifySettings
 
-        from .kernels import InterpretedRunner
+        from .kernels import InterpretedRunner, runner_for
 
+        make_runner = functools.partial(runner_for, base=InterpretedRunner)
         task = Task(graph=plan.graph_name, key=key.digest, arch="cpu", device="cpu")
         impl = implement(task, gm, plan, arch="cpu", compile=False)
         self.trajectories.append(impl.trajectory)
         if not self.config.verify:
             for rid, cand in impl.candidates.items():
                 plan.regions[rid].backend, plan.regions[rid].kernel = "kernel", cand.name
-            return Program(gm, plan, {rid: InterpretedRunner(c)
-                                      for rid, c in impl.candidates.items()})
+            return Program(gm, plan, {rid: make_runner(c) for rid, c in impl.candidates.items()})
         verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
         verify = functools.partial(verify_first_call, verifier=verifier,
-                                   trajectory=impl.trajectory, make_runner=InterpretedRunner)
+                                   trajectory=impl.trajectory, make_runner=make_runner)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
 
     @staticmethod

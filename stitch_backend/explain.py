@@ -95,30 +95,31 @@ def _trace_problem(problem, device: str, *, arch, training, seed) -> Explanation
 
 def emit_sources(records: list[GraphRecord], emit_dir: Path, *,
                  arch: str | None = None) -> list[Emitted]:
-    """Write the CUDA source of every region the Coder can generate; record the rest."""
+    """Write the CUDA source the template Coder writes for every region; record why not
+    where it writes none."""
+    from stitch_backend.agents.coder import NoCandidate, TemplateCoder
+    from stitch_backend.agents.state import Subtask
     from .regions import region_module
 
     emit_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        from .codegen.fused import generate
-        from .codegen.fused import Unsupported
-    except ImportError as err:
-        return [Emitted(rec.index, r.id, None, f"no code generator available: {err}")
-                for rec in records for r in rec.plan.regions if r.kind is RegionKind.FUSED]
+    coder = TemplateCoder()
     out: list[Emitted] = []
     for rec in records:
         for region in rec.plan.regions:
-            if region.kind is not RegionKind.FUSED:
+            if region.kind is RegionKind.FALLBACK:
                 continue
             name = f"g{rec.index}_{region.name}"
+            sub = Subtask(region_id=region.id, region_name=name, kind=region.kind.value,
+                          ops=region.ops, module=region_module(rec.gm, region), graph=rec.gm,
+                          region=region)
             try:
-                kernel = generate(region_module(rec.gm, region), name)
-            except Unsupported as err:
+                cand = coder.propose(sub)
+            except NoCandidate as err:
                 out.append(Emitted(rec.index, region.id, None, str(err)))
                 continue
             path = emit_dir / f"{name}.cu"
-            path.write_text(kernel.source)
-            region.kernel = kernel.entry
+            path.write_text(cand.source)
+            region.kernel = cand.name
             out.append(Emitted(rec.index, region.id, str(path)))
     return out
 

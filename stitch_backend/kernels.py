@@ -65,3 +65,33 @@ class InterpretedRunner:
 
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
         return self.kernel.interpret(inputs)
+
+
+class CompositeRunner:
+    """A gemm/conv region run as its library call (ATen: cuBLAS/cuDNN) followed by one
+    generated epilogue kernel that reads the product once."""
+
+    def __init__(self, prologue: Any, kernel_runner: Any):
+        self.prologue = prologue          # agents.state.Prologue
+        self.kernel_runner = kernel_runner
+        self.candidate = kernel_runner.candidate
+
+    def poisoning(self) -> "CompositeRunner":
+        return CompositeRunner(self.prologue, self.kernel_runner.poisoning())
+
+    def __call__(self, *inputs: Any) -> list[Any]:
+        p = self.prologue
+        env = dict(zip(p.region_inputs, inputs))
+        env.update(zip(p.head.outputs, p.head_module(*[env[n] for n in p.head.inputs])))
+        env.update(zip(p.tail.outputs, self.kernel_runner(*[env[n] for n in p.tail.inputs])))
+        return [env[n] for n in p.region_outputs]
+
+
+def runner_for(candidate: Any, base: Any = None) -> Any:
+    """The callable that runs ``candidate`` in place of its region: its kernel through
+    ``base`` (KernelRunner on the GPU, InterpretedRunner for cpu_interpret), preceded by
+    the library call when the candidate is a gemm/conv epilogue."""
+    kernel_runner = (base or KernelRunner)(candidate)
+    if getattr(candidate, "prologue", None) is None:
+        return kernel_runner
+    return CompositeRunner(candidate.prologue, kernel_runner)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .ir import Region
+from .ir import Region, RegionKind
 
 
 def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphModule:
@@ -36,3 +36,49 @@ def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphMod
     graph.output(tuple(env[nodes[name]] for name in region.outputs))
     graph.lint()
     return torch.fx.GraphModule(root, graph, class_name=region.name)
+
+
+def boundary(gm: torch.fx.GraphModule, names: list[str]) -> tuple[list[str], list[str]]:
+    """(inputs, outputs) of the node set ``names``: values read from outside it, and its
+    values read outside it (by other nodes or the graph output), each in graph order."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    members = {nodes[n] for n in names}
+    inputs: list[str] = []
+    outputs: list[str] = []
+    for name in names:
+        node = nodes[name]
+        for d in node.all_input_nodes:
+            if d not in members and d.name not in inputs:
+                inputs.append(d.name)
+        if any(u not in members for u in node.users) and node.name not in outputs:
+            outputs.append(node.name)
+    return inputs, outputs
+
+
+def split_anchor(gm: torch.fx.GraphModule, region: Region,
+                 anchor_ops: frozenset) -> tuple[Region, Region] | None:
+    """Cut a gemm/conv region into its library call (the anchor op and the views that
+    feed it) and its epilogue (everything after), as two regions whose boundaries are
+    computed against the whole graph. None when there is no epilogue."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    anchor = next((n for n in region.nodes if nodes[n].target in anchor_ops), None)
+    if anchor is None:
+        return None
+    feeding = set()
+    stack = [nodes[anchor]]
+    while stack:
+        for d in stack.pop().all_input_nodes:
+            if d.name in region.nodes and d.name not in feeding:
+                feeding.add(d.name)
+                stack.append(d)
+    head = [n for n in region.nodes if n == anchor or n in feeding]
+    tail = [n for n in region.nodes if n not in head]
+    if not tail:
+        return None
+    parts = []
+    for i, (names, kind) in enumerate(((head, region.kind), (tail, RegionKind.FUSED))):
+        inputs, outputs = boundary(gm, names)
+        parts.append(Region(id=region.id * 1000 + i, kind=kind, nodes=names,
+                            ops=[str(nodes[n].target) for n in names], inputs=inputs,
+                            outputs=outputs))
+    return parts[0], parts[1]

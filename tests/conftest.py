@@ -1,8 +1,14 @@
 """Shared fixtures: a fresh cache directory and a reset Dynamo for every test; device tiers."""
 
+import os
 import shutil
 
 import pytest
+
+# Child Pythons started by tests (subprocess, multiprocessing) must import the installed
+# package, not the source folder in the working directory: agents/ and cache/ only become
+# stitch_backend.* when installed. PYTHONSAFEPATH (Python 3.11+) is what -P sets.
+os.environ["PYTHONSAFEPATH"] = "1"
 
 
 def _cuda_available() -> bool:

@@ -171,3 +171,29 @@ def test_verifier_rejects_wrong_shape_and_raising_candidates():
 
     verdict = verifier.check(boom, eager, [torch.randn(4, 5)])
     assert not verdict.ok and "illegal address" in verdict.reason
+
+
+@pytest.mark.parametrize("name,kind", [("mlp", "gemm"), ("conv_bn_relu", "conv"),
+                                       ("residual_block", "conv")])
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_gemm_and_conv_epilogues_run_as_library_call_plus_kernel(name, kind, training):
+    cls, make_inputs = zoo()[name]
+    torch.manual_seed(0)
+    model = cls().train(training)
+    reference = copy.deepcopy(model)
+    inputs = make_inputs(4)
+    backend = StitchBackend(options=OPTIONS)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(*inputs)
+        reference(*inputs)
+        got, want = compiled(*inputs), reference(*inputs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Training-mode BatchNorm updates running stats through the epilogue's outputs.
+    for (n, b), (_, c) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(b, c, atol=1e-5, rtol=1e-5, msg=n)
+    anchored = [r for r in _regions(backend) if r.kind.value == kind]
+    with_kernel = [r for r in anchored if r.backend == "kernel"]
+    assert with_kernel, [r.reason for r in anchored]
+    for r in anchored:
+        assert r.backend == "kernel" or "no epilogue" in r.reason or "only by views" in r.reason

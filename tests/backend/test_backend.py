@@ -147,7 +147,8 @@ def test_no_side_effects_on_import(tmp_path):
     code = ("import logging, stitch_backend, stitch_backend.backend, stitch_backend.cli, "
             "stitch_backend.config; "
             "print(len(logging.getLogger('stitch_backend').handlers))")
-    env = {"STITCHCUDA_CACHE_DIR": str(tmp_path / "never"), "PATH": "/usr/bin:/bin"}
+    env = {"STITCHCUDA_CACHE_DIR": str(tmp_path / "never"), "PATH": "/usr/bin:/bin",
+           "PYTHONSAFEPATH": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout.strip()
     assert out == "0"

@@ -28,8 +28,8 @@ def _flat(v):
 
 @pytest.mark.parametrize("name", ["norm_zoo", "transformer_block", "mlp", "residual_block"])
 def test_generated_kernels_give_eager_results(name):
-    """Models with fused regions get verified kernels; gemm/conv-only models (mlp,
-    residual_block in eval mode) have none yet, and every ATen region says why."""
+    """Verified kernels replace regions (at least the fused ones of norm_zoo and
+    transformer_block); every region left on ATen says why."""
     cls, make_inputs = zoo()[name]
     torch.manual_seed(0)
     model = cls().cuda().eval()
@@ -46,8 +46,8 @@ def test_generated_kernels_give_eager_results(name):
     regions = [r for rec in backend.records for r in rec.plan.regions]
     kernels = [r for r in regions if r.backend == "kernel"]
     print(backend.report())
-    has_fused = any(r.kind.value == "fused" for r in regions)
-    assert bool(kernels) == has_fused, "a model with fused regions got no verified kernel"
+    if name in ("norm_zoo", "transformer_block"):
+        assert kernels, "a model with fused regions got no verified kernel"
     for r in regions:
         assert r.backend == "kernel" or r.reason, r
 
