@@ -112,10 +112,12 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
             continue
         cand = candidates[region.id]
         stem = f"r{region.id}_{cand.name}"
-        blobs[f"{stem}.cubin"] = cand.cubin
+        if cand.cubin is not None:  # None: the cpu_interpret testing aid compiles nothing
+            blobs[f"{stem}.cubin"] = cand.cubin
         blobs[f"{stem}.cu"] = cand.source.encode()
         kernels.append({"region": region.id, "name": cand.name, "entry": cand.kernel.entry,
-                        "source_sha256": sha256(cand.source), "cubin": f"{stem}.cubin",
+                        "source_sha256": sha256(cand.source),
+                        "cubin": f"{stem}.cubin" if cand.cubin is not None else None,
                         "source": f"{stem}.cu", "speedup": region.speedup})
     manifest = {
         "graph": plan.graph_name,
@@ -130,7 +132,8 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
     return manifest, blobs
 
 
-def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int) -> WarmStart | None:
+def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
+               base: Any = None) -> WarmStart | None:
     """Rebuild the kernels of a cached entry for ``plan``; None (with a warning) when the
     entry does not fit this graph, so the caller compiles afresh."""
     from stitch_backend.agents.coder import TemplateCoder
@@ -166,8 +169,12 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int) -> Warm
             log.warning("cache entry %s: kernel %s source changed; rebuilding",
                         entry.key[:12], k["name"])
             return None
-        cand.cubin = entry.read(k["cubin"])
-        runners[region.id] = runner_for(cand)
+        if k.get("cubin"):
+            cand.cubin = entry.read(k["cubin"])
+        elif getattr(base, "__name__", "") != "InterpretedRunner":
+            log.warning("cache entry %s has no cubin for %s; rebuilding", entry.key[:12], k["name"])
+            return None
+        runners[region.id] = runner_for(cand, base=base)
     for r, s in zip(plan.regions, stored.regions):
         r.backend, r.kernel, r.speedup, r.time_ms, r.reason = (
             s.backend, s.kernel, s.speedup, s.time_ms, s.reason)

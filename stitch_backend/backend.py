@@ -126,8 +126,8 @@ class StitchBackend:
             program = Program(gm, plan)
         elif device == "cpu" and self.config.cpu_interpret and self.config.codegen:
             notes.append("cpu_interpret: generated kernels run through the IR interpreter "
-                         "(a testing aid; never cached)")
-            program = self._build_interpreted(gm, plan, key, record)
+                         "(a testing aid)")
+            program = self._build(gm, plan, key, arch, record, interpreted=True)
         elif device != "cuda":
             why = (f"inputs are on {device}: stitchcuda generates CUDA kernels only, "
                    "so every region of this graph runs on ATen")
@@ -141,7 +141,7 @@ class StitchBackend:
             self._mark_aten(plan, why)
             program = Program(gm, plan)
         else:
-            program = self._build_cuda(gm, plan, key, arch, record)
+            program = self._build(gm, plan, key, arch, record)
         record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
@@ -152,20 +152,27 @@ class StitchBackend:
                  counts["generated"], key.short, record.compile_ms)
         return program
 
-    def _build_cuda(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord) -> Program:
+    def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,
+               interpreted: bool = False) -> Program:
         """Warm start from the cache, or Coder + compile now and Verifier on the first call
-        (verification needs real inputs), then store the verified Program."""
-        from . import artifacts
+        (verification needs real inputs), then store the verified Program.
 
+        ``interpreted`` (the cpu_interpret testing aid) runs the same pipeline with the
+        kernel-IR interpreter in place of nvcc and the GPU."""
+        from . import artifacts
+        from .kernels import InterpretedRunner, KernelRunner
+
+        base = InterpretedRunner if interpreted else KernelRunner
         notes = record.notes
-        sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        sm_count = 132 if interpreted else torch.cuda.get_device_properties(
+            torch.cuda.current_device()).multi_processor_count
         slot = None
         if self.config.cache and self.config.verify:
             store = artifacts.open_store(self.config.cache_dir)
             entry, slot = artifacts.claim(store, key.digest)
             if entry is not None:
-                warm = artifacts.warm_start(entry, gm, plan, task_graph=plan.graph_name,
-                                            sm_count=sm_count)
+                warm = artifacts.warm_start(entry, gm, plan, task_graph=_kernel_prefix(key),
+                                            sm_count=sm_count, base=base)
                 if warm is not None:
                     notes.append(f"loaded from the cache ({len(warm.runners)} kernel(s), "
                                  f"key {key.short})")
@@ -173,41 +180,44 @@ class StitchBackend:
                     return Program(gm, plan, warm.runners)
                 notes.append("cache entry did not fit this graph: rebuilt, not stored")
         try:
-            return self._generate(gm, plan, key, arch, record, slot, sm_count)
+            return self._generate(gm, plan, key, arch, record, slot, sm_count, base)
         except BaseException:
             if slot is not None:
                 slot.release()
             raise
 
     def _generate(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord,
-                  slot, sm_count: int) -> Program:
+                  slot, sm_count: int, base) -> Program:
         from stitch_backend.agents.acceptance import verify_first_call
         from stitch_backend.agents.loop import implement
         from stitch_backend.agents.state import Task
         from stitch_backend.agents.verifier import Verifier, VerifySettings
 
         from . import artifacts
+        from .kernels import InterpretedRunner, runner_for
         from .toolchain_info import find_nvcc
 
         notes = record.notes
-        if find_nvcc() is None:
+        interpreted = base is InterpretedRunner
+        if not interpreted and find_nvcc() is None:
             why = "nvcc not found (set CUDA_HOME or put nvcc on PATH): region runs on ATen"
             notes.append(why)
             self._mark_aten(plan, why)
             return self._finish_uncompiled(gm, plan, record, slot)
-        task = Task(graph=plan.graph_name, key=key.digest, arch=arch, device="cuda")
+        task = Task(graph=_kernel_prefix(key), key=key.digest, arch=arch,
+                    device="cpu" if interpreted else "cuda")
         impl = implement(task, gm, plan, arch=arch, sm_count=sm_count,
-                         workers=self.config.compile_workers or None)
+                         workers=self.config.compile_workers or None, compile=not interpreted)
         self.trajectories.append(impl.trajectory)
-        notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "
-                     f"{impl.compile_s:.2f} s")
+        if not interpreted:
+            notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "
+                         f"{impl.compile_s:.2f} s")
+        make_runner = functools.partial(runner_for, base=base)
         if not self.config.verify:
-            from .kernels import runner_for
-
             notes.append("verify=False: candidates installed UNVERIFIED (debugging only)")
             for rid, cand in impl.candidates.items():
                 plan.regions[rid].backend, plan.regions[rid].kernel = "kernel", cand.name
-            return Program(gm, plan, {rid: runner_for(c) for rid, c in impl.candidates.items()})
+            return Program(gm, plan, {rid: make_runner(c) for rid, c in impl.candidates.items()})
         if not impl.candidates:
             return self._finish_uncompiled(gm, plan, record, slot)
 
@@ -217,29 +227,8 @@ class StitchBackend:
 
         verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
         verify = functools.partial(verify_first_call, verifier=verifier,
-                                   trajectory=impl.trajectory, on_done=on_done)
-        return Program(gm, plan, pending=impl.candidates, verify=verify)
-
-    def _build_interpreted(self, gm, plan: Plan, key: GraphKey, record: GraphRecord) -> Program:
-        """The CUDA pipeline with the CPU interpreter in place of nvcc and the GPU."""
-        from stitch_backend.agents.acceptance import verify_first_call
-        from stitch_backend.agents.loop import implement
-        from stitch_backend.agents.state import Task
-        from stitch_backend.agents.verifier import Verifier, VerifySettings
-
-        from .kernels import InterpretedRunner, runner_for
-
-        make_runner = functools.partial(runner_for, base=InterpretedRunner)
-        task = Task(graph=plan.graph_name, key=key.digest, arch="cpu", device="cpu")
-        impl = implement(task, gm, plan, arch="cpu", compile=False)
-        self.trajectories.append(impl.trajectory)
-        if not self.config.verify:
-            for rid, cand in impl.candidates.items():
-                plan.regions[rid].backend, plan.regions[rid].kernel = "kernel", cand.name
-            return Program(gm, plan, {rid: make_runner(c) for rid, c in impl.candidates.items()})
-        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
-        verify = functools.partial(verify_first_call, verifier=verifier,
-                                   trajectory=impl.trajectory, make_runner=make_runner)
+                                   trajectory=impl.trajectory, on_done=on_done,
+                                   make_runner=make_runner)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
 
     @staticmethod
@@ -291,6 +280,12 @@ def stitchcuda(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: An
 def compiled_graphs() -> list[GraphRecord]:
     """Every GraphRecord made in this process, in order."""
     return list(_ALL_RECORDS)
+
+
+def _kernel_prefix(key: GraphKey) -> str:
+    """Kernel names start with this: fixed by the key (not by how many graphs this
+    process compiled before), so a warm start regenerates byte-identical sources."""
+    return f"sc_{key.digest[:12]}"
 
 
 def _device_of(example_inputs: list[Any]) -> str:

@@ -205,24 +205,22 @@ def _parse(f: dataclasses.Field, value: Any, *, source: str) -> Any:
     raise AssertionError(f"unhandled config type {kind}")
 
 
-_current: Config | None = None
+_patched: Config | None = None
 
 
 def current() -> Config:
-    """The process-wide settings: the environment, read once, plus any ``patch``."""
-    global _current
-    if _current is None:
-        _current = Config.from_env()
-    return _current
+    """The process-wide settings: the environment as it is now (read on each call, so a
+    backend made after ``os.environ`` changes sees the change), or a ``patch``."""
+    return _patched if _patched is not None else Config.from_env()
 
 
 @contextlib.contextmanager
 def patch(**changes: Any) -> Iterator[Config]:
     """Temporarily change process-wide settings (for tests): ``with config.patch(codegen=False)``."""
-    global _current
-    before = current()
-    _current = before.with_options(changes)
+    global _patched
+    before = _patched
+    _patched = current().with_options(changes)
     try:
-        yield _current
+        yield _patched
     finally:
-        _current = before
+        _patched = before
