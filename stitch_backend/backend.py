@@ -195,7 +195,7 @@ class StitchBackend:
 
         from . import artifacts
         from .kernels import InterpretedRunner, runner_for
-        from .toolchain_info import find_nvcc
+        from .toolchain import find_nvcc
 
         notes = record.notes
         interpreted = base is InterpretedRunner

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import config as config_mod
-from .toolchain_info import find_nvcc, nvcc_version
+from .toolchain import ToolchainError, find_nvcc, nvcc_version
 from .version import __version__
 
 
@@ -79,7 +79,10 @@ def diagnose() -> DoctorReport:
                                    "no kernels are generated", required=False))
 
     nvcc = find_nvcc()
-    version = nvcc_version()
+    try:
+        version = nvcc_version(nvcc) if nvcc else None
+    except (ToolchainError, OSError):
+        version = None
     report.facts["nvcc"] = version
     report.checks.append(Check("nvcc", nvcc is not None,
                                f"{nvcc} ({version})" if nvcc else

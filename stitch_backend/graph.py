@@ -9,6 +9,7 @@ the input metas, the code-changing options, the GPU arch and the versions.
 from __future__ import annotations
 
 import json
+import subprocess
 import operator
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,12 +134,16 @@ def input_metas(example_inputs: list[Any]) -> list[dict[str, Any]]:
 
 def versions() -> dict[str, str]:
     """Versions folded into every key (a change of any of them invalidates the cache)."""
-    from . import toolchain_info
+    from .toolchain import ToolchainError, nvcc_version
 
+    try:
+        nvcc = nvcc_version()
+    except (ToolchainError, OSError, subprocess.SubprocessError):
+        nvcc = "none"
     return {
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
-        "nvcc": toolchain_info.nvcc_version() or "none",
+        "nvcc": nvcc,
         "stitchcuda": __version__,
     }
 
