@@ -36,6 +36,8 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
             lines.append(line)
             if region.kind is RegionKind.FALLBACK and region.reason:
                 lines.append(f"        fallback: {region.reason}")
+            elif region.backend == "aten" and region.reason and region.reason not in rec.notes:
+                lines.append(f"        on ATen: {region.reason}")
     return "\n".join(lines)
 
 
