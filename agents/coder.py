@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 
+from stitch_backend.codegen.fused import generate
+from stitch_backend.ir import Region
+from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import region_module, split_anchor
 
-from .state import Candidate, Prologue, Subtask
+from .state import Candidate, Stage, Subtask
 
 log = logging.getLogger("stitch_backend.agents.coder")
 
@@ -21,50 +24,132 @@ class NoCandidate(Exception):
 
 
 class TemplateCoder:
-    """Writes one candidate per fused region from the built-in templates."""
+    """Writes one candidate per region from the built-in templates.
+
+    A fused region becomes one kernel. When the templates cannot express the whole
+    region, the Coder replans it (the paper's "stuck -> replan"): the longest runs of
+    nodes that do generate become kernels and the rest stays on ATen, as stages of one
+    candidate that the Verifier judges as a whole. A gemm/conv region becomes its library
+    call (ATen: cuBLAS/cuDNN) followed by kernels for its epilogue chain.
+    """
 
     origin = "template"
+    # Generation attempts allowed while replanning one region (each costs milliseconds).
+    max_attempts = 48
 
     def __init__(self, sm_count: int = 132):
         self.sm_count = sm_count
 
     def propose(self, subtask: Subtask) -> Candidate:
-        """A candidate kernel for ``subtask``, or NoCandidate with the reason."""
-        from stitch_backend.codegen.fused import generate
+        """A candidate for ``subtask``, or NoCandidate with the reason."""
+        region = subtask.region
+        if subtask.kind in ("gemm", "conv"):
+            head, tail = self._split_anchor(subtask)
+            stages = [Stage(head, module=region_module(subtask.graph, head))]
+            stages += self._kernel_stages(subtask, tail.nodes, "epilogue")
+        elif subtask.kind == "fused":
+            stages = self._kernel_stages(subtask, region.nodes, "region")
+        else:
+            raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
+        kernels = [s.kernel for s in stages if s.kernel is not None]
+        if len(stages) == 1:
+            k = kernels[0]
+            return Candidate(region_id=subtask.region_id, origin=self.origin, name=k.entry,
+                             source=k.source, signature=k.signature, kernel=k)
+        return Candidate(region_id=subtask.region_id, origin=self.origin, name=subtask.region_name,
+                         source="\n".join(k.source for k in kernels), kernel=kernels[0],
+                         signature=kernels[0].signature, stages=stages,
+                         region_inputs=list(region.inputs), region_outputs=list(region.outputs))
+
+    def _kernel_stages(self, subtask: Subtask, names: list[str], what: str) -> list[Stage]:
+        """Stages covering ``names`` in order: kernels for the longest runs that generate,
+        ATen for nodes no run can start with. NoCandidate if no kernel at all."""
         from stitch_backend.codegen.fused import Unsupported
 
-        prologue = None
-        module = subtask.module
-        if subtask.kind in ("gemm", "conv"):
-            prologue = self._split(subtask)
-            module = region_module(subtask.graph, prologue.tail)
-        elif subtask.kind != "fused":
-            raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
-        try:
-            kernel = generate(module, subtask.region_name, sm_count=self.sm_count)
-        except Unsupported as err:
-            what = "epilogue" if prologue else "region"
-            raise NoCandidate(f"no template for this {what}: {err}") from None
-        return Candidate(region_id=subtask.region_id, origin=self.origin, name=kernel.entry,
-                         source=kernel.source, signature=kernel.signature, kernel=kernel,
-                         prologue=prologue)
+        gm = subtask.graph
+        nodes = {n.name: n for n in gm.graph.nodes}
+        compute = lambda run: any(classify(nodes[n]) is not OpClass.VIEW for n in run)
+        attempts = 0
+        first_error: Exception | None = None
+
+        def generate_run(run: list[str], index: int):
+            nonlocal attempts, first_error
+            attempts += 1
+            sub = sub_region(gm, run, subtask.region_id, index)
+            name = subtask.region_name if index < 0 else f"{subtask.region_name}_s{index}"
+            try:
+                return sub, generate(region_module(gm, sub), name, sm_count=self.sm_count)
+            except Unsupported as err:
+                first_error = first_error or err
+                return sub, None
+
+        sub, kernel = generate_run(names, -1)
+        if kernel is not None:
+            return [Stage(sub, kernel=kernel)]
+        stages: list[Stage] = []
+        aten_run: list[str] = []
+        i = 0
+        while i < len(names):
+            found = None
+            for cut in range(len(names), i, -1):
+                run = names[i:cut]
+                if not compute(run) or (i == 0 and cut == len(names)):
+                    continue
+                if attempts >= self.max_attempts:
+                    break
+                sub, kernel = generate_run(run, len(stages) + bool(aten_run))
+                if kernel is not None:
+                    found = (cut, sub, kernel)
+                    break
+            if found is None:
+                aten_run.append(names[i])
+                i += 1
+                continue
+            if aten_run:
+                stages.append(self._aten_stage(gm, aten_run, subtask.region_id, len(stages)))
+                aten_run = []
+            cut, sub, kernel = found
+            sub.id = subtask.region_id * 1000 + len(stages)
+            kernel = self._renamed(gm, sub, kernel, f"{subtask.region_name}_s{len(stages)}")
+            stages.append(Stage(sub, kernel=kernel))
+            i = cut
+        if aten_run:
+            stages.append(self._aten_stage(gm, aten_run, subtask.region_id, len(stages)))
+        if not any(s.kernel is not None for s in stages):
+            raise NoCandidate(f"no template for this {what}: {first_error}")
+        return stages
+
+    def _renamed(self, gm, sub: Region, kernel, name: str):
+        """The kernel named for its final stage position (names must be unique)."""
+        if kernel.entry == name:
+            return kernel
+        return generate(region_module(gm, sub), name, sm_count=self.sm_count)
 
     @staticmethod
-    def _split(subtask: Subtask) -> Prologue:
-        """Library call (cuBLAS/cuDNN through ATen) + one fused kernel for the epilogue."""
-        from stitch_backend.opclass import CONV_OPS, GEMM_OPS
+    def _aten_stage(gm, run: list[str], region_id: int, index: int) -> Stage:
+        sub = sub_region(gm, run, region_id, index)
+        return Stage(sub, module=region_module(gm, sub))
 
-        region = subtask.region
-        parts = split_anchor(subtask.graph, region, GEMM_OPS | CONV_OPS)
+    @staticmethod
+    def _split_anchor(subtask: Subtask) -> tuple[Region, Region]:
+        """The library call and its epilogue; NoCandidate when there is nothing to fuse."""
+        parts = split_anchor(subtask.graph, subtask.region, GEMM_OPS | CONV_OPS)
         if parts is None:
             raise NoCandidate(f"a {subtask.kind} with no epilogue: the library call (ATen) "
                               "is the implementation")
         head, tail = parts
-        from stitch_backend.opclass import OpClass, classify
-
         nodes = {n.name: n for n in subtask.graph.graph.nodes}
         if all(classify(nodes[n]) is OpClass.VIEW for n in tail.nodes):
             raise NoCandidate(f"a {subtask.kind} followed only by views: the library call "
                               "(ATen) is the implementation")
-        return Prologue(head=head, tail=tail, head_module=region_module(subtask.graph, head),
-                        region_inputs=list(region.inputs), region_outputs=list(region.outputs))
+        return head, tail
+
+
+def sub_region(gm, names: list[str], region_id: int, index: int) -> Region:
+    """A piece of a region as a Region of its own (boundary against the whole graph)."""
+    from stitch_backend.ir import RegionKind
+    from stitch_backend.regions import boundary
+
+    inputs, outputs = boundary(gm, names)
+    return Region(id=region_id * 1000 + max(index, 0), kind=RegionKind.FUSED, nodes=list(names),
+                  ops=[], inputs=inputs, outputs=outputs)

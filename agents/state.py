@@ -38,14 +38,14 @@ class Subtask:
 
 
 @dataclass
-class Prologue:
-    """For a gemm/conv candidate: the library call that runs before its epilogue kernel."""
+class Stage:
+    """One step of a multi-stage candidate: a generated kernel, or ATen for a piece the
+    templates cannot express (the library call of a gemm/conv, or a replanned remainder).
+    ``region`` is a sub-region whose boundary is computed against the whole graph."""
 
-    head: Any                 # ir.Region: the anchor op and the views feeding it (ATen)
-    tail: Any                 # ir.Region: the epilogue the kernel implements
-    head_module: Any = field(repr=False)
-    region_inputs: list[str] = field(default_factory=list)
-    region_outputs: list[str] = field(default_factory=list)
+    region: Any                                              # ir.Region
+    kernel: Any = field(default=None, repr=False)            # codegen.FusedKernel
+    module: Any = field(default=None, repr=False)            # ATen GraphModule
 
 
 @dataclass
@@ -61,7 +61,18 @@ class Candidate:
     cubin: bytes | None = field(default=None, repr=False, compare=False)
     compile_s: float | None = None
     compile_error: str | None = None
-    prologue: Prologue | None = field(default=None, repr=False, compare=False)
+    # None: one kernel computes the whole region. Otherwise the stages, in order, and the
+    # region's boundary they are stitched into.
+    stages: list[Stage] | None = field(default=None, repr=False, compare=False)
+    region_inputs: list[str] = field(default_factory=list, repr=False)
+    region_outputs: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def kernels(self) -> list[Any]:
+        """Every generated kernel of this candidate, in launch order."""
+        if self.stages is None:
+            return [self.kernel]
+        return [s.kernel for s in self.stages if s.kernel is not None]
 
     @property
     def trusted(self) -> bool:

@@ -115,7 +115,8 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
         if cand.cubin is not None:  # None: the cpu_interpret testing aid compiles nothing
             blobs[f"{stem}.cubin"] = cand.cubin
         blobs[f"{stem}.cu"] = cand.source.encode()
-        kernels.append({"region": region.id, "name": cand.name, "entry": cand.kernel.entry,
+        kernels.append({"region": region.id, "name": cand.name,
+                        "entries": [k.entry for k in cand.kernels],
                         "source_sha256": sha256(cand.source),
                         "cubin": f"{stem}.cubin" if cand.cubin is not None else None,
                         "source": f"{stem}.cu", "speedup": region.speedup})

@@ -88,6 +88,7 @@ class StitchBackend:
         logs.configure(self.config.log_level)
         self.records: list[GraphRecord] = []
         self.trajectories: list[Any] = []
+        self.failures: list[str] = []   # graphs the backend could not compile (run on ATen)
         self.dynamo_graphs = 0
 
     # Dynamo calls this once per captured graph.
@@ -104,7 +105,22 @@ class StitchBackend:
         )
         return aot(gm, example_inputs)
 
-    def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Program:
+    def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        try:
+            return self._compile_graph(stage, gm, example_inputs)
+        except Exception as err:  # noqa: BLE001 - a backend bug must not break the model
+            if isinstance(err, InvalidOptionError):
+                raise
+            log.warning("stitchcuda: could not compile a %s graph (%s: %s); it runs on ATen "
+                        "as traced", stage, type(err).__name__, err, exc_info=log.isEnabledFor(
+                            logging.DEBUG))
+            self.failures.append(f"{stage} graph: {type(err).__name__}: {err}")
+            from torch._functorch.aot_autograd import make_boxed_func
+
+            return make_boxed_func(gm)
+
+    def _compile_graph(self, stage: str, gm: torch.fx.GraphModule,
+                       example_inputs: list[Any]) -> Program:
         from stitch_backend.agents.planner import partition
 
         t0 = time.perf_counter()
@@ -259,7 +275,10 @@ class StitchBackend:
         """A readable summary of every graph compiled by this backend."""
         from .report import render_text
 
-        return render_text(self.records, dynamo_graphs=self.dynamo_graphs)
+        text = render_text(self.records, dynamo_graphs=self.dynamo_graphs)
+        for failure in self.failures:
+            text += f"\nnot compiled (runs on ATen as traced): {failure}"
+        return text
 
 
 # Graphs compiled through the string entry point (``backend="stitchcuda"``), whose

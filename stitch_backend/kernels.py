@@ -19,16 +19,19 @@ _INT_POISON = -7777777
 class KernelRunner:
     """Callable with the region's inputs, returning its outputs (a list of tensors)."""
 
-    def __init__(self, candidate: Any, *, poison: bool = False):
+    def __init__(self, candidate: Any, *, kernel: Any = None, module: Any = None,
+                 poison: bool = False):
+        """Run ``kernel`` (default: the candidate's only kernel) from the candidate's cubin;
+        stages of one candidate share one loaded ``module``."""
         from .cuda_driver import CudaModule
 
         if candidate.cubin is None:
             raise ValueError(f"candidate {candidate.name} has no cubin")
         self.candidate = candidate
-        self.kernel = candidate.kernel
+        self.kernel = kernel or candidate.kernel
         self.poison = poison
-        self._module = CudaModule(candidate.cubin)
-        self._fn = self._module.function(candidate.kernel.entry, candidate.kernel.signature)
+        self._module = module or CudaModule(candidate.cubin)
+        self._fn = self._module.function(self.kernel.entry, self.kernel.signature)
 
     def poisoning(self) -> "KernelRunner":
         """A runner over the same loaded module that poisons its outputs first."""
@@ -56,9 +59,10 @@ class InterpretedRunner:
     """The ``cpu_interpret`` stand-in for a KernelRunner: the candidate's kernel IR run
     by the CPU interpreter (which poisons its outputs itself). A testing aid."""
 
-    def __init__(self, candidate: Any, *, poison: bool = True):
+    def __init__(self, candidate: Any, *, kernel: Any = None, module: Any = None,
+                 poison: bool = True):
         self.candidate = candidate
-        self.kernel = candidate.kernel
+        self.kernel = kernel or candidate.kernel
 
     def poisoning(self) -> "InterpretedRunner":
         return self
@@ -67,31 +71,40 @@ class InterpretedRunner:
         return self.kernel.interpret(inputs)
 
 
-class CompositeRunner:
-    """A gemm/conv region run as its library call (ATen: cuBLAS/cuDNN) followed by one
-    generated epilogue kernel that reads the product once."""
+class StagedRunner:
+    """A candidate made of stages: generated kernels, and ATen for the pieces the
+    templates do not cover (a gemm/conv library call, a replanned remainder), stitched
+    over the region's boundary values."""
 
-    def __init__(self, prologue: Any, kernel_runner: Any):
-        self.prologue = prologue          # agents.state.Prologue
-        self.kernel_runner = kernel_runner
-        self.candidate = kernel_runner.candidate
+    def __init__(self, candidate: Any, steps: list[tuple[Any, Any]]):
+        self.candidate = candidate
+        self.steps = steps  # (stage region, callable)
 
-    def poisoning(self) -> "CompositeRunner":
-        return CompositeRunner(self.prologue, self.kernel_runner.poisoning())
+    def poisoning(self) -> "StagedRunner":
+        return StagedRunner(self.candidate, [
+            (region, fn.poisoning() if hasattr(fn, "poisoning") else fn)
+            for region, fn in self.steps])
 
     def __call__(self, *inputs: Any) -> list[Any]:
-        p = self.prologue
-        env = dict(zip(p.region_inputs, inputs))
-        env.update(zip(p.head.outputs, p.head_module(*[env[n] for n in p.head.inputs])))
-        env.update(zip(p.tail.outputs, self.kernel_runner(*[env[n] for n in p.tail.inputs])))
-        return [env[n] for n in p.region_outputs]
+        env = dict(zip(self.candidate.region_inputs, inputs))
+        for region, fn in self.steps:
+            env.update(zip(region.outputs, fn(*[env[n] for n in region.inputs])))
+        return [env[n] for n in self.candidate.region_outputs]
 
 
 def runner_for(candidate: Any, base: Any = None) -> Any:
-    """The callable that runs ``candidate`` in place of its region: its kernel through
-    ``base`` (KernelRunner on the GPU, InterpretedRunner for cpu_interpret), preceded by
-    the library call when the candidate is a gemm/conv epilogue."""
-    kernel_runner = (base or KernelRunner)(candidate)
-    if getattr(candidate, "prologue", None) is None:
-        return kernel_runner
-    return CompositeRunner(candidate.prologue, kernel_runner)
+    """The callable that runs ``candidate`` in place of its region, its kernels launched
+    through ``base`` (KernelRunner on the GPU, InterpretedRunner for cpu_interpret)."""
+    base = base or KernelRunner
+    if candidate.stages is None:
+        return base(candidate)
+    module = None
+    if base is KernelRunner:
+        from .cuda_driver import CudaModule
+
+        module = CudaModule(candidate.cubin)
+    steps = [(stage.region,
+              base(candidate, kernel=stage.kernel, module=module) if stage.kernel is not None
+              else stage.module)
+             for stage in candidate.stages]
+    return StagedRunner(candidate, steps)

@@ -101,16 +101,34 @@ class Program:
             if self.pending and self._verify is not None:
                 inputs = list(args)
                 args.clear()
-                return self._verify(self, inputs)
+                return self._verify_or_aten(inputs)
             slots: list[Any] = [None] * self.num_slots
             slots[: self.num_inputs] = args
             args.clear()
         else:
             if self.pending and self._verify is not None:
-                return self._verify(self, list(call_args))
+                return self._verify_or_aten(list(call_args))
             slots = [None] * self.num_slots
             slots[: self.num_inputs] = call_args
         return self.run(slots)
+
+    def _verify_or_aten(self, inputs: list[Any]) -> Any:
+        """First call: verification; if the verification machinery itself fails (a bug,
+        not a bad candidate), every pending region stays on ATen, said in a warning and
+        in the regions' reasons, and the user still gets eager's result."""
+        pending = dict(self.pending)
+        try:
+            return self._verify(self, inputs)
+        except Exception as err:  # noqa: BLE001 - must not take the user's model down
+            log.warning("stitchcuda: verification of %s failed (%s: %s); its regions stay on "
+                        "ATen", self.plan.graph_name, type(err).__name__, err)
+            for step in self.steps:
+                if step.region.id in pending:
+                    step.fn = step.aten
+                    step.region.backend = "aten"
+                    step.region.reason = f"verification failed: {type(err).__name__}: {err}"
+            self.pending = {}
+            return self.run_inputs(inputs)
 
     def run_inputs(self, inputs: Sequence[Any],
                    observe: Callable[[Step, list[Any], Sequence[Any]], None] | None = None) -> Any:

@@ -197,3 +197,27 @@ def test_gemm_and_conv_epilogues_run_as_library_call_plus_kernel(name, kind, tra
     assert with_kernel, [r.reason for r in anchored]
     for r in anchored:
         assert r.backend == "kernel" or "no epilogue" in r.reason or "only by views" in r.reason
+
+
+def test_coder_replans_a_region_no_single_kernel_can_express():
+    """softmax over rows then a sum over the columns: two iteration spaces, so the
+    Coder splits the region into kernel stages, verified and installed as one."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import Subtask
+    from stitch_backend.regions import region_module
+
+    fn = lambda x: torch.softmax(x * 3.0, dim=-1).sum(dim=0) + 1.0
+    backend = StitchBackend(options=OPTIONS)
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        compiled(x)
+        torch.testing.assert_close(compiled(x), fn(x), atol=1e-5, rtol=1e-5)
+    (rec,) = backend.records
+    (region,) = [r for r in rec.plan.regions if r.kind.value == "fused"]
+    assert region.backend == "kernel", region.reason
+    sub = Subtask(region_id=region.id, region_name="replanned", kind="fused", ops=region.ops,
+                  module=region_module(rec.gm, region), graph=rec.gm, region=region)
+    cand = TemplateCoder().propose(sub)
+    assert cand.stages is not None and len(cand.kernels) >= 2
+    assert len({k.entry for k in cand.kernels}) == len(cand.kernels)  # unique entry names

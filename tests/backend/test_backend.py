@@ -153,3 +153,38 @@ def test_no_side_effects_on_import(tmp_path):
                          check=True, env=env).stdout.strip()
     assert out == "0"
     assert not (tmp_path / "never").exists()
+
+
+def test_internal_error_keeps_the_model_running_and_is_reported(monkeypatch, caplog):
+    import stitch_backend.agents.planner as planner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(planner, "partition", broken)
+    model = MLP().eval()
+    x = torch.randn(2, 32)
+    backend = StitchBackend()
+    with caplog.at_level(logging.WARNING, logger="stitch_backend"), torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+    assert backend.failures and "planner bug" in backend.failures[0]
+    assert "planner bug" in backend.report()
+    assert any("runs on ATen as traced" in r.getMessage() for r in caplog.records)
+
+
+def test_verification_machinery_failure_keeps_eager_results(monkeypatch):
+    import stitch_backend.agents.acceptance as acceptance
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("verifier bug")
+
+    monkeypatch.setattr(acceptance, "verify_first_call", broken)
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False})
+    fn = lambda x: torch.softmax(x * 2.0, -1)
+    compiled = torch.compile(fn, backend=backend)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), fn(x))
+        torch.testing.assert_close(compiled(x), fn(x))
+    (region,) = [r for rec in backend.records for r in rec.plan.regions if r.kind.value == "fused"]
+    assert region.backend == "aten" and "verifier bug" in region.reason
