@@ -158,6 +158,9 @@ class StitchBackend:
             program = Program(gm, plan)
         else:
             program = self._build(gm, plan, key, arch, record)
+        program.notes_sink = record.notes
+        if device == "cuda":
+            self._plan_replay(program, gm, example_inputs, record)
         record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
@@ -246,6 +249,26 @@ class StitchBackend:
                                    trajectory=impl.trajectory, on_done=on_done,
                                    make_runner=make_runner)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
+
+    def _plan_replay(self, program: Program, gm, example_inputs, record: GraphRecord) -> None:
+        """Turn on whole-Program CUDA graph replay where it can work; say why not elsewhere."""
+        from . import cudagraphs
+
+        if not self.config.cudagraphs:
+            record.notes.append("CUDA graph replay off: option cudagraphs=False")
+            return
+        why = cudagraphs.ineligible(gm, example_inputs, device=record.device,
+                                    dynamic=record.dynamic, stage=record.stage,
+                                    allow_training=self.config.cudagraphs_training)
+        if why:
+            record.notes.append(f"CUDA graph replay off: {why}")
+            return
+        static = cudagraphs.static_input_indices()
+        if static is None:
+            record.notes.append("static inputs unknown: every input is copied on replay")
+        program.replay = cudagraphs.GraphReplay(program, static)
+        record.notes.append("CUDA graph replay on: captured after verification and one "
+                            "warm-up call, checked bit for bit on its first replay")
 
     @staticmethod
     def _finish_uncompiled(gm, plan: Plan, record: GraphRecord, slot) -> Program:

@@ -50,6 +50,8 @@ class Program:
         self.plan = plan
         self.pending = dict(pending or {})
         self._verify = verify
+        self.replay: Any = None          # cudagraphs.GraphReplay, set by the backend
+        self.notes_sink: list[str] = []  # the GraphRecord's notes, for late events
         self.calls = 0
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
@@ -97,19 +99,22 @@ class Program:
         # AOTAutograd calls boxed (one list, which we may clear so inputs die early) where
         # it sees ``_boxed_call``, and unboxed where a wrapper hides that attribute.
         if len(call_args) == 1 and isinstance(call_args[0], list):
-            args = call_args[0]
-            if self.pending and self._verify is not None:
-                inputs = list(args)
-                args.clear()
-                return self._verify_or_aten(inputs)
-            slots: list[Any] = [None] * self.num_slots
-            slots[: self.num_inputs] = args
-            args.clear()
+            inputs = list(call_args[0])
+            call_args[0].clear()
         else:
-            if self.pending and self._verify is not None:
-                return self._verify_or_aten(list(call_args))
-            slots = [None] * self.num_slots
-            slots[: self.num_inputs] = call_args
+            inputs = list(call_args)
+        if self.pending and self._verify is not None:
+            return self._verify_or_aten(inputs)
+        if self.replay is not None:
+            from .cudagraphs import NotCaptured
+
+            try:
+                return self.replay(inputs)
+            except NotCaptured:
+                pass
+        slots: list[Any] = [None] * self.num_slots
+        slots[: self.num_inputs] = inputs
+        inputs.clear()
         return self.run(slots)
 
     def _verify_or_aten(self, inputs: list[Any]) -> Any:

@@ -1,0 +1,165 @@
+"""Whole-Program CUDA graph replay for static-shape graphs (DESIGN.md "Execution").
+
+After its first (verifying) call, an eligible Program runs once more uncaptured (warm-up),
+is then captured into one CUDA graph — generated kernels, library calls and ATen
+fallbacks alike — and replayed from then on. The first replay is compared, bit for bit,
+with an uncaptured run on the same inputs; any difference, or any error while capturing,
+turns capture off for that Program, with the reason in its report.
+
+Inputs: parameters and buffers (AOTAutograd's static inputs) are read in place; if one
+moves, the graph is captured again. Other inputs are copied into buffers the graph owns
+when they are not already those buffers. Outputs: each replay's outputs are cloned
+before they are handed over, so a later call never overwrites what the user holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from .opclass import OpClass, classify
+
+log = logging.getLogger("stitch_backend.cudagraphs")
+
+
+def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, device: str,
+               dynamic: bool, stage: str, allow_training: bool) -> str | None:
+    """Why this graph cannot be captured (None: it can)."""
+    if device != "cuda":
+        return f"inputs are on {device}"
+    if dynamic:
+        return "symbolic shapes: each new shape would need its own capture"
+    if stage != "inference" and not allow_training:
+        return "training graphs run uncaptured by default (option cudagraphs_training)"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and classify(node) is OpClass.RANDOM:
+            return f"random op {node.target} (graph-safe generator state is not set up)"
+        if node.op == "call_function" and classify(node) is OpClass.SYMBOLIC:
+            return "host-side size arithmetic"
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    returned: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(out.args[0], returned.append)
+    for value in returned:
+        if _aliases_input(value):
+            return "an output is a graph input or a view of one"
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor):
+            return "a non-tensor input (size or scalar) may change between calls"
+        if x.device.type != "cuda":
+            return f"an input lives on {x.device.type}"
+    return None
+
+
+def _aliases_input(node: torch.fx.Node) -> bool:
+    while node.op == "call_function" and classify(node) is OpClass.VIEW and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node.op == "placeholder"
+
+
+def static_input_indices() -> set[int] | None:
+    """AOTAutograd's static inputs (parameters, buffers) of the graph being compiled."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        if ctx is not None and ctx.fw_metadata is not None:
+            return set(ctx.fw_metadata.static_input_indices)
+    except AttributeError:
+        pass
+    return None
+
+
+class GraphReplay:
+    """Owns the capture of one Program; ``__call__`` returns its outputs, or raises
+    ``NotCaptured`` when the Program should run uncaptured this time."""
+
+    def __init__(self, program: Any, static_indices: set[int] | None):
+        self.program = program
+        self.static_indices = static_indices or set()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_inputs: list[torch.Tensor] = []
+        self.static_outputs: Any = None
+        self.captured_ptrs: list[int] = []
+        self.warm = False
+        self.checked = False
+        self.disabled: str | None = None
+        self.captures = 0
+
+    def __call__(self, inputs: list[torch.Tensor]) -> Any:
+        if self.disabled:
+            raise NotCaptured(self.disabled)
+        if not self.warm:
+            self.warm = True  # one uncaptured run first: lazy initialisation stays out
+            raise NotCaptured("warm-up")
+        if self.graph is None or self._params_moved(inputs):
+            self._capture(inputs)
+        for i, x in enumerate(inputs):
+            if i not in self.static_indices and x.data_ptr() != self.static_inputs[i].data_ptr():
+                self.static_inputs[i].copy_(x)
+        self.graph.replay()
+        outputs = _clone(self.static_outputs)
+        if not self.checked:
+            self.checked = True
+            expected = self.program.run_inputs(inputs)
+            if not _identical(outputs, expected):
+                self.disable("the first replay differed from the uncaptured run")
+                return expected
+        return outputs
+
+    def _params_moved(self, inputs: list[torch.Tensor]) -> bool:
+        return any(inputs[i].data_ptr() != self.captured_ptrs[i] for i in self.static_indices)
+
+    def _capture(self, inputs: list[torch.Tensor]) -> None:
+        if self.captures >= 3:
+            self.disable("parameters kept moving: captured 3 times")
+            raise NotCaptured(self.disabled)
+        try:
+            self.static_inputs = [x if i in self.static_indices else x.clone()
+                                  for i, x in enumerate(inputs)]
+            self.captured_ptrs = [x.data_ptr() for x in inputs]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.program.run_inputs(self.static_inputs)  # warm-up on the side stream
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.static_outputs = self.program.run_inputs(self.static_inputs)
+            self.graph = graph
+            self.captures += 1
+        except Exception as err:  # noqa: BLE001 - capture failure: run uncaptured, say why
+            self.graph = None
+            self.disable(f"capture failed: {type(err).__name__}: {err}")
+            raise NotCaptured(self.disabled) from None
+
+    def disable(self, why: str) -> None:
+        self.disabled = why
+        self.graph = None
+        self.static_outputs = None
+        self.static_inputs = []
+        log.warning("stitchcuda: CUDA graph replay off for %s: %s",
+                    self.program.plan.graph_name, why)
+        self.program.notes_sink.append(f"CUDA graph replay off: {why}")
+
+
+class NotCaptured(Exception):
+    """This call runs uncaptured (the reason is the message)."""
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _identical(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(
+            torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                  and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b))
+    return a == b if not isinstance(a, torch.Tensor) else False
