@@ -38,6 +38,7 @@ class BenchRecord:
     reason: str = ""
     trials: int = 0
     median_ms: float | None = None
+    call_peak_mb: float | None = None   # device memory one call needs beyond its inputs
     p10_ms: float | None = None
     p90_ms: float | None = None
     runs: int = 0

@@ -91,6 +91,16 @@ def render_markdown(results: Sequence[TaskResult], summaries: Sequence[BackendSu
         lines.append("| " + " | ".join([r.task, *(_compile_cell(r, b) for b in backends)]) + " |")
     lines.append("")
 
+    if any(rec.call_peak_mb is not None for r in results for rec in r.records.values()):
+        lines += ["## Memory: MiB one call needs beyond its inputs (CUDA)", ""]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in results:
+            cells = [_fmt(getattr(r.records.get(b), "call_peak_mb", None), ".1f")
+                     for b in backends]
+            lines.append("| " + " | ".join([r.task, *cells]) + " |")
+        lines.append("")
+
     failed: list[tuple[str, BenchRecord]] = [
         (r.task, rec) for r in results for rec in r.records.values()
         if rec.status != OK or not (rec.correct_kernelbench or rec.correct_design)]

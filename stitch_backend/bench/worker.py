@@ -255,6 +255,21 @@ def _aggregate(checks: list[tuple[str, Comparison]]) -> dict[str, Any]:
     }
 
 
+def _call_peak_mb(call, device: torch.device) -> float | None:
+    """Device memory one call needs beyond what is allocated before it (MiB), so a
+    backend's memory plan can be compared with eager's side by side; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = call()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out
+    return round((peak - base) / 2**20, 3)
+
+
 def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
                 device: torch.device, flusher: L2Flusher | None) -> dict[str, Any]:
     """Compile, check and time one backend; the record's fields (raises on failure)."""
@@ -285,6 +300,7 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
     timing_inputs = _clone(refs.trial(0).inputs)
     timing = time_call(lambda: compiled.fn(*timing_inputs), device, runs=cfg.runs,
                        warmup=cfg.warmup, flusher=flusher)
+    fields["call_peak_mb"] = _call_peak_mb(lambda: compiled.fn(*timing_inputs), device)
     fields.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
                   runs=timing.runs, clock=timing.clock)
     records = backends_mod.backend_records(compiled, since=marker)
