@@ -125,3 +125,29 @@ def test_console_script_installed():
     proc = subprocess.run(["stitchcuda", "doctor", "--json"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["facts"]["stitchcuda"]
+
+
+def test_warmup_without_gpu_is_a_clear_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from stitch_backend.examples import list_examples
+
+    assert main(["warmup", str(list_examples()[0])]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA device" in err and "explain" in err
+
+
+def test_warmup_table_on_cpu(capsys):
+    from stitch_backend.examples import list_examples
+
+    files = [str(p) for p in list_examples()[:2]]
+    assert main(["warmup", "--device", "cpu", *files]) == 0
+    out = capsys.readouterr().out
+    assert "| model | graphs |" in out and out.count("\n| ") >= 2
+
+
+def test_cache_subcommand_wired(capsys):
+    assert main(["cache", "ls", "--json"]) == 0
+    assert capsys.readouterr().out.strip().startswith("[")
