@@ -115,7 +115,10 @@ class GraphReplay:
             self.disable("parameters kept moving: captured 3 times")
             raise NotCaptured(self.disabled)
         try:
-            self.static_inputs = [x if i in self.static_indices else x.clone()
+            # Owned copies with the inputs' exact strides: the kernels were generated for them.
+            self.static_inputs = [x if i in self.static_indices else
+                                  torch.empty_strided(x.size(), x.stride(), dtype=x.dtype,
+                                                      device=x.device).copy_(x)
                                   for i, x in enumerate(inputs)]
             self.captured_ptrs = [x.data_ptr() for x in inputs]
             stream = torch.cuda.Stream()
