@@ -40,3 +40,27 @@ def test_zoo_kernels_compile_for_sm90a(tmp_path, training):
     failures = [(p, r) for p, r in zip(paths, results) if isinstance(r, CompileError)]
     assert not failures, "\n\n".join(f"{p}:\n{r}" for p, r in failures[:3])
     assert all(r.cubin[:4] == b"\x7fELF" for r in results)
+
+
+def test_replanned_candidate_compiles_with_every_stage_entry():
+    """A candidate of several kernel stages is one source and one cubin holding every
+    stage's entry point."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import Subtask
+    from stitch_backend.backend import StitchBackend
+    from stitch_backend.regions import region_module
+
+    backend = StitchBackend()
+    fn = lambda x: torch.softmax(x * 3.0, dim=-1).sum(dim=0) + 1.0
+    with torch.no_grad():
+        torch.compile(fn, backend=backend)(torch.randn(16, 32))
+    (rec,) = backend.records
+    (region,) = [r for r in rec.plan.regions if r.kind.value == "fused"]
+    sub = Subtask(region_id=region.id, region_name="staged", kind="fused", ops=region.ops,
+                  module=region_module(rec.gm, region), graph=rec.gm, region=region)
+    cand = TemplateCoder().propose(sub)
+    assert cand.stages is not None
+    (result,) = compile_many([CompileJob(source=cand.source, name=cand.name, arch="sm_90a")])
+    assert not isinstance(result, CompileError), str(result)
+    for kernel in cand.kernels:
+        assert kernel.entry.encode() in result.cubin
