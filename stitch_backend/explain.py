@@ -30,6 +30,9 @@ class Emitted:
     region: int
     path: str | None
     reason: str | None = None
+    # The region's nodes that run inside generated kernels (a replanned region keeps
+    # some on ATen; a gemm/conv keeps its library call there).
+    kernel_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -120,7 +123,11 @@ def emit_sources(records: list[GraphRecord], emit_dir: Path, *,
             path = emit_dir / f"{name}.cu"
             path.write_text(cand.source)
             region.kernel = cand.name
-            out.append(Emitted(rec.index, region.id, str(path)))
+            if cand.stages is None:
+                covered = list(region.nodes)
+            else:
+                covered = [n for st in cand.stages if st.kernel is not None for n in st.region.nodes]
+            out.append(Emitted(rec.index, region.id, str(path), kernel_nodes=covered))
     return out
 
 
