@@ -166,3 +166,13 @@ def test_examples_load_and_run_in_fp32_and_fp64():
                 assert torch.allclose(o.double(), o64, atol=1e-3, rtol=1e-3), name
     with pytest.raises(KeyError, match="available"):
         load_example("no_such_example")
+
+
+def test_coverage_counts_nodes_inside_generated_kernels(tmp_path):
+    from stitch_backend.bench.coverage import coverage_of
+    from stitch_backend.examples import list_examples
+
+    softmax = next(p for p in list_examples() if p.stem == "softmax_rows")
+    cov = coverage_of(str(softmax))
+    assert cov.error is None and cov.total > 0
+    assert 0 < cov.covered <= cov.total
