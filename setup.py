@@ -61,7 +61,7 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7"],
+        "test": ["pytest>=7", "openai>=1.0"],
         "llm": ["openai>=1.0"],
         "bench": ["matplotlib"],
     },

@@ -6,19 +6,27 @@ candidate on that region's real inputs and fresh draws and times it. Candidates 
 pass are installed; the whole Program is then run again with them and compared with the
 ATen run (and, if needed, an fp64 run) before it is accepted. The random-number state is
 restored around the re-runs, so the user's generator advances exactly as in eager.
+
+A template candidate may carry untrusted ``alternatives`` (LLM-written kernels launched
+by its launch rule). Each is first run in a child process on the region's real inputs
+(``agents.sandbox``) and compared with ATen's outputs; only then is it loaded here and
+verified like any candidate. The fastest verified candidate of a region wins. A region
+won by an untrusted kernel is stored in the cache as ATen (the cache rebuilds template
+kernels only), with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from stitch_backend.bench.compare import compare
 from stitch_backend.program import Program, Step
 
-from .state import Attempt, Trajectory, Verdict
+from .state import Attempt, Candidate, Trajectory, Verdict
 from .verifier import Verifier
 
 log = logging.getLogger("stitch_backend.agents.acceptance")
@@ -56,22 +64,30 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
     accepted: dict[int, Any] = {}
     verdicts: dict[int, Verdict] = {}
 
-    def observe(step: Step, step_inputs: list[Any], _outs: Sequence[Any]) -> None:
+    def observe(step: Step, step_inputs: list[Any], outs: Sequence[Any]) -> None:
         cand = pending.get(step.region.id)
         if cand is None:
             return
-        try:
-            runner = make_runner(cand)
-            verdict = verifier.check(runner.poisoning(), step.aten, step_inputs,
-                                     seed=step.region.id)
-        except Exception as err:  # noqa: BLE001 - a broken candidate is a rejection
-            verdict = Verdict(ok=False, reason=f"could not run: {type(err).__name__}: {err}")
-            runner = None
-        verdicts[step.region.id] = verdict
-        if trajectory is not None:
-            trajectory.attempts.append(Attempt("verify", cand, verdict))
-        if verdict.ok and runner is not None:
-            accepted[step.region.id] = runner
+        best: tuple[Any, Verdict] | None = None
+        own: Verdict | None = None
+        others: list[str] = []
+        for choice in [cand, *cand.alternatives]:
+            runner, verdict = _judge(choice, step, step_inputs, outs, verifier, make_runner)
+            if trajectory is not None:
+                trajectory.attempts.append(Attempt("verify", choice, verdict))
+            if choice is cand:
+                own = verdict
+            elif not verdict.ok:
+                others.append(verdict.reason)
+            if verdict.ok and runner is not None and (best is None or _faster(verdict, best[1])):
+                best = (runner, verdict)
+        if best is not None:
+            accepted[step.region.id], verdicts[step.region.id] = best
+        else:
+            assert own is not None
+            if others:
+                own.reason += f"; {len(others)} LLM candidate(s) rejected too ({others[0]})"
+            verdicts[step.region.id] = own
 
     before = _RngState()
     reference = program.run_inputs(inputs, observe=observe)
@@ -98,6 +114,8 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
                 region = program.step_of(rid).region
                 region.backend = "kernel"
                 region.kernel = runner.candidate.name
+                if not runner.candidate.trusted:
+                    region.kernel += f" ({runner.candidate.origin})"
                 region.reason = None
         else:
             log.warning("end-to-end check failed (%s): every region of %s stays on ATen",
@@ -108,8 +126,74 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
                 step.region.reason = f"end-to-end check failed: {cmp.reason}"
         after.restore()
     if on_done is not None:
-        on_done(program)
+        with _untrusted_stored_as_aten(program, accepted):
+            on_done(program)
     return reference
+
+
+def _judge(cand: Candidate, step: Step, inputs: list[Any], eager_outs: Sequence[Any],
+           verifier: Verifier, make_runner: Callable[[Any], Any]) -> tuple[Any, Verdict]:
+    """(runner, verdict) for one candidate on one region's real inputs; untrusted ones
+    must survive a first run in a child process before anything of theirs runs here."""
+    try:
+        if not cand.trusted:
+            why = _first_run_elsewhere(cand, inputs, eager_outs)
+            if why:
+                return None, Verdict(ok=False, reason=why)
+        runner = make_runner(cand)
+        return runner, verifier.check(runner.poisoning(), step.aten, inputs,
+                                      seed=step.region.id)
+    except Exception as err:  # noqa: BLE001 - a broken candidate is a rejection
+        return None, Verdict(ok=False, reason=f"could not run: {type(err).__name__}: {err}")
+
+
+def _first_run_elsewhere(cand: Candidate, inputs: list[Any],
+                         eager_outs: Sequence[Any]) -> str | None:
+    """None when ``cand``'s first run in a child process matched ATen; else why not."""
+    from stitch_backend import config as config_mod
+
+    from .sandbox import first_run_in_child
+
+    if cand.cubin is None or cand.kernel is None or cand.stages is not None:
+        return "untrusted candidate without a single compiled kernel"
+    if not any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
+        return "untrusted candidates run only on CUDA inputs"
+    plan = cand.kernel.prepare(inputs)
+    res = first_run_in_child(cand.source, cand.kernel.entry, cand.kernel.signature, inputs,
+                             plan, arch="", cubin=cand.cubin,
+                             timeout_s=float(config_mod.current().llm_sandbox_timeout_s))
+    if not res.ok:
+        return f"first run in a child process: {res.reason}"
+    cmp = compare(res.outputs, list(eager_outs), None)
+    if not cmp.ok_design:
+        return f"first run in a child process: wrong result: {cmp.reason}"
+    return None
+
+
+def _faster(a: Verdict, b: Verdict) -> bool:
+    """Whether verdict ``a`` timed strictly faster than ``b`` (untimed never wins)."""
+    if a.candidate_ms is None:
+        return False
+    return b.candidate_ms is None or a.candidate_ms < b.candidate_ms
+
+
+@contextlib.contextmanager
+def _untrusted_stored_as_aten(program: Program, accepted: dict[int, Any]) -> Iterator[None]:
+    """While the Program is stored, regions won by untrusted kernels read as ATen: the
+    cache rebuilds template kernels only, so such a region must warm-start on ATen."""
+    saved = []
+    for rid, runner in accepted.items():
+        region = program.step_of(rid).region
+        if not runner.candidate.trusted and region.backend == "kernel":
+            saved.append((region, region.backend, region.kernel, region.reason))
+            region.backend, region.kernel = "aten", None
+            region.reason = ("an LLM-written kernel won this region in the process that "
+                             "built the entry; the cache keeps template kernels only")
+    try:
+        yield
+    finally:
+        for region, backend, kernel, reason in saved:
+            region.backend, region.kernel, region.reason = backend, kernel, reason
 
 
 def _run_aten(program: Program, inputs: list[Any]) -> Any:

@@ -3,7 +3,8 @@
 Candidates are compiled in parallel; a region whose candidate cannot be produced or
 compiled stays on ATen with the reason written into the Plan. Verification needs real
 inputs, so it happens on the Program's first call (``stitch_backend.program``), which
-calls back into ``agents.verifier``.
+calls back into ``agents.verifier``. With ``coder="template+llm"`` the LLM Coder then
+adds untrusted candidates beside the template's (``agents.llm_extras``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx
 
@@ -32,18 +34,23 @@ class Implementation:
     candidates: dict[int, Candidate] = field(default_factory=dict)
     trajectory: Trajectory | None = None
     compile_s: float = 0.0
+    # Untrusted (LLM) candidates per region, also on ``candidates[rid].alternatives``.
+    extra_candidates: dict[int, list[Candidate]] = field(default_factory=dict)
+    llm_s: float = 0.0
 
 
 def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
               sm_count: int = 132, workers: int | None = None,
-              compile: bool = True) -> Implementation:
+              compile: bool = True, config: Any = None) -> Implementation:
     """Propose and compile a candidate for every region the templates cover
-    (``compile=False``: propose only, for the CPU interpreter)."""
+    (``compile=False``: propose only, for the CPU interpreter), then, when ``config``
+    (default: the process settings) asks for it, the LLM Coder's extra candidates."""
     from stitch_backend.toolchain import CompileError, CompileJob, compile_many, csrc_dir
 
     coder = TemplateCoder(sm_count=sm_count)
     trajectory = Trajectory(task=task)
     proposals: list[Candidate] = []
+    subtasks: dict[int, Subtask] = {}
     for region in plan.regions:
         if region.kind is RegionKind.FALLBACK:
             continue
@@ -61,6 +68,7 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             continue
         code_log.debug("// region %s\n%s", sub.region_name, cand.source)
         proposals.append(cand)
+        subtasks[region.id] = sub
 
     if not compile:
         out = Implementation(trajectory=trajectory)
@@ -84,4 +92,28 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         cand.compile_s = result.seconds
         out.candidates[cand.region_id] = cand
         trajectory.attempts.append(Attempt("generate", cand, None))
+    _add_llm_candidates(out, task, subtasks, arch, config)
     return out
+
+
+def _add_llm_candidates(out: Implementation, task: Task, subtasks: dict[int, Subtask],
+                        arch: str, config: Any) -> None:
+    from stitch_backend import config as config_mod
+
+    from .llm_extras import llm_candidates, wanted
+
+    cfg = config if config is not None else config_mod.current()
+    if not out.candidates or not wanted(cfg):
+        return
+    t0 = time.perf_counter()
+    try:
+        out.extra_candidates = llm_candidates(task, subtasks, out.candidates, arch=arch,
+                                              cfg=cfg, trajectory=out.trajectory)
+    except Exception as err:  # noqa: BLE001 - the optional Coder must not break the model
+        from stitch_backend.config import llm_api_key
+
+        from .llm import redact
+
+        log.warning("LLM Coder failed on %s: %s: %s", task.graph, type(err).__name__,
+                    redact(str(err), llm_api_key()))
+    out.llm_s = time.perf_counter() - t0

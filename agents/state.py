@@ -66,6 +66,9 @@ class Candidate:
     stages: list[Stage] | None = field(default=None, repr=False, compare=False)
     region_inputs: list[str] = field(default_factory=list, repr=False)
     region_outputs: list[str] = field(default_factory=list, repr=False)
+    # On a template candidate: untrusted candidates for the same region (LLM-written,
+    # launched by this candidate's launch rule), judged beside it at acceptance.
+    alternatives: list["Candidate"] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def kernels(self) -> list[Any]:
@@ -103,11 +106,19 @@ class Verdict:
 
 @dataclass
 class Attempt:
-    """One step of the loop: what was tried and what the Verifier said."""
+    """One step of the loop: what was tried and what the Verifier said. LLM steps also
+    keep the conversation sent, the reply, its cost and the feedback it got (the paper's
+    two skills: task -> code, feedback -> improved code). Never an API key."""
 
-    action: str                 # "generate", "repair", "optimise", "replan"
+    action: str                 # "generate", "repair", "optimise", "replan", "verify"
     candidate: Candidate
     verdict: Verdict | None
+    feedback: str | None = None                 # what the step's result was told
+    messages: list[dict[str, str]] | None = None
+    reply: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    llm_seconds: float | None = None
 
 
 @dataclass
@@ -119,14 +130,21 @@ class Trajectory:
 
     def to_records(self) -> list[dict[str, Any]]:
         """One JSON-able record per attempt (sources included, binaries not)."""
-        out = []
-        for a in self.attempts:
-            cand = {k: getattr(a.candidate, k) for k in
-                    ("region_id", "origin", "name", "source", "signature", "compile_s",
-                     "compile_error")}
-            out.append({"task": asdict(self.task), "action": a.action, "candidate": cand,
-                        "verdict": asdict(a.verdict) if a.verdict else None})
-        return out
+        return [self.record_of(a) for a in self.attempts]
+
+    def record_of(self, a: Attempt) -> dict[str, Any]:
+        """The JSON-able record of one attempt."""
+        cand = {k: getattr(a.candidate, k) for k in
+                ("region_id", "origin", "name", "source", "signature", "compile_s",
+                 "compile_error")}
+        rec = {"task": asdict(self.task), "action": a.action, "candidate": cand,
+               "verdict": asdict(a.verdict) if a.verdict else None}
+        if a.messages is not None or a.reply is not None or a.feedback is not None:
+            rec["llm"] = {"messages": a.messages, "reply": a.reply, "feedback": a.feedback,
+                          "prompt_tokens": a.prompt_tokens,
+                          "completion_tokens": a.completion_tokens,
+                          "seconds": a.llm_seconds}
+        return rec
 
     def save(self, path: Path) -> None:
         """Append this trajectory's records to a JSONL file."""
@@ -134,3 +152,12 @@ class Trajectory:
         with path.open("a") as fh:
             for rec in self.to_records():
                 fh.write(json.dumps(rec, default=str) + "\n")
+
+    def add(self, attempt: Attempt, path: Path | None = None) -> None:
+        """Append ``attempt``; with ``path``, also append its record to that JSONL file
+        at once (a crash later loses nothing)."""
+        self.attempts.append(attempt)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as fh:
+                fh.write(json.dumps(self.record_of(attempt), default=str) + "\n")

@@ -226,7 +226,8 @@ class StitchBackend:
         task = Task(graph=_kernel_prefix(key), key=key.digest, arch=arch,
                     device="cpu" if interpreted else "cuda")
         impl = implement(task, gm, plan, arch=arch, sm_count=sm_count,
-                         workers=self.config.compile_workers or None, compile=not interpreted)
+                         workers=self.config.compile_workers or None, compile=not interpreted,
+                         config=self.config)
         self.trajectories.append(impl.trajectory)
         if not interpreted:
             notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "

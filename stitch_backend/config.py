@@ -125,6 +125,45 @@ class Config:
         default="",
         metadata=_meta("STITCHCUDA_LLM_MODEL", False, "Model name for the LLM Coder."),
     )
+    # The API key is deliberately not a setting: settings are reported and hashed, the
+    # key must never be. ``llm_api_key()`` reads it from the environment when needed.
+    llm_timeout_s: int = field(
+        default=120,
+        metadata=_meta("STITCHCUDA_LLM_TIMEOUT_S", False,
+                       "Seconds one LLM request may take before it counts as failed."),
+    )
+    llm_max_tokens: int = field(
+        default=8192,
+        metadata=_meta("STITCHCUDA_LLM_MAX_TOKENS", False,
+                       "Completion tokens one LLM reply may use."),
+    )
+    llm_iterations: int = field(
+        default=4,
+        metadata=_meta("STITCHCUDA_LLM_ITERATIONS", False,
+                       "LLM Coder budget per region: model calls (generate + repairs)."),
+    )
+    llm_budget_tokens: int = field(
+        default=100_000,
+        metadata=_meta("STITCHCUDA_LLM_BUDGET_TOKENS", False,
+                       "LLM Coder budget per region: prompt + completion tokens."),
+    )
+    llm_budget_s: int = field(
+        default=600,
+        metadata=_meta("STITCHCUDA_LLM_BUDGET_S", False,
+                       "LLM Coder budget per region: wall seconds."),
+    )
+    llm_trajectory_dir: str = field(
+        default="",
+        metadata=_meta("STITCHCUDA_LLM_TRAJECTORY_DIR", False,
+                       "Folder for the LLM Coder's trajectories (JSONL, one file per graph, "
+                       "appended after every step); empty keeps them in memory only."),
+    )
+    llm_sandbox_timeout_s: int = field(
+        default=120,
+        metadata=_meta("STITCHCUDA_LLM_SANDBOX_TIMEOUT_S", False,
+                       "Seconds the child process may take to compile or first-run one "
+                       "LLM candidate before it is killed and the candidate rejected."),
+    )
 
     # ------------------------------------------------------------------------------
     @classmethod
@@ -169,6 +208,20 @@ class Config:
         """(name, type, env var, doc) for every setting, for ``stitchcuda doctor``."""
         return [(f.name, str(f.type), f.metadata["env"] or "", f.metadata["doc"])
                 for f in fields(Config)]
+
+
+LLM_API_KEY_ENV: tuple[str, ...] = ("STITCHCUDA_LLM_API_KEY", "OPENAI_API_KEY")
+
+
+def llm_api_key(environ: dict[str, str] | None = None) -> str:
+    """The LLM endpoint's API key from ``STITCHCUDA_LLM_API_KEY``, else ``OPENAI_API_KEY``;
+    "" when neither is set. Callers hand it to the client only: it is never part of a
+    Config, a cache key, a log line, a trajectory or a report."""
+    env = os.environ if environ is None else environ
+    for var in LLM_API_KEY_ENV:
+        if env.get(var):
+            return env[var]
+    return ""
 
 
 def _parse(f: dataclasses.Field, value: Any, *, source: str) -> Any:

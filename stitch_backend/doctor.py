@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -94,7 +93,7 @@ def diagnose() -> DoctorReport:
     report.checks.append(_check_writable(root))
 
     if cfg.llm_base_url:
-        has_key = bool(os.environ.get("STITCHCUDA_LLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
+        has_key = bool(config_mod.llm_api_key())
         report.checks.append(Check(
             "LLM endpoint", True,
             f"{cfg.llm_base_url} model {cfg.llm_model or '(unset)'}; API key "
