@@ -159,6 +159,7 @@ class StitchBackend:
         else:
             program = self._build(gm, plan, key, arch, record)
         program.notes_sink = record.notes
+        program.recheck_shapes = dynamic
         if device == "cuda":
             self._plan_replay(program, gm, example_inputs, record)
         record.compile_ms = (time.perf_counter() - t0) * 1e3
@@ -196,7 +197,9 @@ class StitchBackend:
                     notes.append(f"loaded from the cache ({len(warm.runners)} kernel(s), "
                                  f"key {key.short})")
                     record.cached = True
-                    return Program(gm, plan, warm.runners)
+                    # No verification now (the entry was verified before it was stored);
+                    # the verifier stays attached for new shapes of a symbolic graph.
+                    return Program(gm, plan, warm.runners, verify=self._verifier_call(base))
                 notes.append("cache entry did not fit this graph: rebuilt, not stored")
         try:
             return self._generate(gm, plan, key, arch, record, slot, sm_count, base)
@@ -270,6 +273,17 @@ class StitchBackend:
         program.replay = cudagraphs.GraphReplay(program, static)
         record.notes.append("CUDA graph replay on: captured after verification and one "
                             "warm-up call, checked bit for bit on its first replay")
+
+    def _verifier_call(self, base, **kw):
+        """The first-call verification callback for Programs of this backend."""
+        from stitch_backend.agents.acceptance import verify_first_call
+        from stitch_backend.agents.verifier import Verifier, VerifySettings
+
+        from .kernels import runner_for
+
+        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
+        return functools.partial(verify_first_call, verifier=verifier,
+                                 make_runner=functools.partial(runner_for, base=base), **kw)
 
     @staticmethod
     def _finish_uncompiled(gm, plan: Plan, record: GraphRecord, slot) -> Program:

@@ -51,6 +51,9 @@ class Program:
         self.pending = dict(pending or {})
         self._verify = verify
         self.replay: Any = None          # cudagraphs.GraphReplay, set by the backend
+        # Symbolic-shape Programs re-verify their kernels on every new input shape.
+        self.recheck_shapes = False
+        self.verified_shapes: set[tuple] = set()
         self.notes_sink: list[str] = []  # the GraphRecord's notes, for late events
         self.calls = 0
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
@@ -105,6 +108,10 @@ class Program:
             inputs = list(call_args)
         if self.pending and self._verify is not None:
             return self._verify_or_aten(inputs)
+        if self.recheck_shapes and self._verify is not None:
+            key = _shape_key(inputs)
+            if key not in self.verified_shapes:
+                return self._reverify(inputs, key)
         if self.replay is not None:
             from .cudagraphs import NotCaptured
 
@@ -117,11 +124,28 @@ class Program:
         inputs.clear()
         return self.run(slots)
 
+    def _reverify(self, inputs: list[Any], key: tuple) -> Any:
+        """A symbolic-shape Program meets a new shape: its installed kernels were verified
+        on other sizes, so they go back to pending and are verified again on these inputs
+        (those that fail stay on ATen, with the reason)."""
+        self.verified_shapes.add(key)
+        installed = {s.region.id: s.fn.candidate for s in self.steps
+                     if s.fn is not s.aten and hasattr(s.fn, "candidate")}
+        if not installed:
+            return self.run_inputs(inputs)
+        for step in self.steps:
+            if step.region.id in installed:
+                step.fn = step.aten
+                step.region.backend = "aten"
+        self.pending = installed
+        return self._verify_or_aten(inputs)
+
     def _verify_or_aten(self, inputs: list[Any]) -> Any:
         """First call: verification; if the verification machinery itself fails (a bug,
         not a bad candidate), every pending region stays on ATen, said in a warning and
         in the regions' reasons, and the user still gets eager's result."""
         pending = dict(self.pending)
+        self.verified_shapes.add(_shape_key(inputs))
         try:
             return self._verify(self, inputs)
         except Exception as err:  # noqa: BLE001 - must not take the user's model down
@@ -178,6 +202,11 @@ class Program:
             for s, v in zip(step.outputs, outs):
                 slots[s] = v
         return times
+
+
+def _shape_key(inputs: Sequence[Any]) -> tuple:
+    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                 for x in inputs)
 
 
 def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:

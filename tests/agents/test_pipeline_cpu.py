@@ -221,3 +221,28 @@ def test_coder_replans_a_region_no_single_kernel_can_express():
     cand = TemplateCoder().propose(sub)
     assert cand.stages is not None and len(cand.kernels) >= 2
     assert len({k.entry for k in cand.kernels}) == len(cand.kernels)  # unique entry names
+
+
+def test_symbolic_graph_reverifies_kernels_on_each_new_shape(monkeypatch):
+    """A kernel verified at one batch size is verified again at the next: one that is
+    wrong only for batch 7 is dropped there, and the model stays eager-correct."""
+    real = kernels.InterpretedRunner.__call__
+
+    def wrong_at_seven(self, *inputs):
+        outs = real(self, *inputs)
+        if any(isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == 7 for x in inputs):
+            outs = [o + 1e-2 if o.is_floating_point() else o for o in outs]
+        return outs
+
+    monkeypatch.setattr(kernels.InterpretedRunner, "__call__", wrong_at_seven)
+    fn = lambda x: torch.softmax(x * 2.0, -1) + 1.0
+    backend = StitchBackend(options=OPTIONS)
+    compiled = torch.compile(fn, backend=backend)
+    with torch.no_grad():
+        for b in (2, 3, 5, 7, 7, 9):
+            x = torch.randn(b, 16)
+            torch.testing.assert_close(compiled(x), fn(x), atol=1e-6, rtol=1e-6)
+    dynamic = [rec for rec in backend.records if rec.dynamic]
+    assert len(dynamic) == 1
+    (region,) = [r for r in dynamic[0].plan.regions if r.kind.value == "fused"]
+    assert region.backend == "aten" and "wrong result" in region.reason
