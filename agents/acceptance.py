@@ -27,7 +27,7 @@ from stitch_backend.bench.compare import compare
 from stitch_backend.program import Program, Step
 
 from .state import Attempt, Candidate, Trajectory, Verdict
-from .verifier import Verifier
+from .verifier import Verifier, upcast
 
 log = logging.getLogger("stitch_backend.agents.acceptance")
 
@@ -42,10 +42,6 @@ class _RngState:
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
 
-
-def _upcast(inputs: Sequence[Any]) -> list[Any]:
-    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
 
 
 def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier,
@@ -107,7 +103,7 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         cmp = compare(got, reference, None)
         if not cmp.ok_design:
             before.restore()
-            ref64 = _run_aten(program, _upcast(inputs))
+            ref64 = _run_aten(program, upcast(inputs))
             cmp = compare(got, reference, ref64)
         if cmp.ok_design:
             for rid, runner in accepted.items():

@@ -18,10 +18,9 @@ import torch.fx
 
 from stitch_backend.ir import Plan, RegionKind
 from stitch_backend.logs import OUTPUT_CODE
-from stitch_backend.regions import region_module
 
 from .coder import NoCandidate, TemplateCoder
-from .state import Attempt, Candidate, Subtask, Task, Trajectory
+from .state import Attempt, Candidate, Subtask, Task, Trajectory, subtask_for
 
 log = logging.getLogger("stitch_backend.agents.loop")
 code_log = logging.getLogger(OUTPUT_CODE)
@@ -54,16 +53,15 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     for region in plan.regions:
         if region.kind is RegionKind.FALLBACK:
             continue
-        sub = Subtask(region_id=region.id, region_name=f"{task.graph}_{region.name}",
-                      kind=region.kind.value, ops=region.ops, graph=gm, region=region)
+        name = f"{task.graph}_{region.name}"
         try:
-            sub.module = region_module(gm, region)
+            sub = subtask_for(gm, region, name)
             cand = coder.propose(sub)
         except NoCandidate as err:
             region.reason = str(err)
             continue
         except Exception as err:  # noqa: BLE001 - a Coder bug must not break the user's model
-            log.warning("coder failed on %s: %s: %s", sub.region_name, type(err).__name__, err)
+            log.warning("coder failed on %s: %s: %s", name, type(err).__name__, err)
             region.reason = f"coder error: {type(err).__name__}: {err}"
             continue
         code_log.debug("// region %s\n%s", sub.region_name, cand.source)

@@ -48,6 +48,14 @@ class Stage:
     module: Any = field(default=None, repr=False)            # ATen GraphModule
 
 
+def subtask_for(gm: Any, region: Any, name: str) -> Subtask:
+    """The Subtask of ``region`` of graph ``gm``; its kernels are named from ``name``."""
+    from stitch_backend.regions import region_module
+
+    return Subtask(region_id=region.id, region_name=name, kind=region.kind.value,
+                   ops=region.ops, module=region_module(gm, region), graph=gm, region=region)
+
+
 @dataclass
 class Candidate:
     """A proposed implementation of one subtask."""

@@ -73,7 +73,8 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator, scale: float =
     return out
 
 
-def _upcast(inputs: Sequence[Any]) -> list[Any]:
+def upcast(inputs: Sequence[Any]) -> list[Any]:
+    """Floating-point tensors as float64 (the reference run), everything else as is."""
     return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
             for x in inputs]
 
@@ -99,6 +100,7 @@ class Verifier:
 
     def __init__(self, settings: VerifySettings | None = None):
         self.settings = settings or VerifySettings()
+        self._flush: torch.Tensor | None = None
 
     def check(self, candidate: Fn, eager: Fn, inputs: Sequence[Any], *,
               seed: int = 0) -> Verdict:
@@ -128,7 +130,7 @@ class Verifier:
             ref64 = None
             if any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in d):
                 try:
-                    ref64 = list(eager(*_upcast(d)))
+                    ref64 = list(eager(*upcast(d)))
                 except Exception:  # noqa: BLE001 - some ops have no fp64 kernel
                     ref64 = None
             cmp = compare(got, ref, ref64)
@@ -162,7 +164,9 @@ class Verifier:
     def time(self, fn: Fn, inputs: Sequence[Any]) -> float:
         """Median milliseconds of ``fn(*inputs)`` with CUDA events, L2 flushed each run."""
         s = self.settings
-        flush = torch.empty(s.flush_bytes // 4, dtype=torch.float32, device="cuda")
+        if self._flush is None:  # allocated once: every candidate and region is timed
+            self._flush = torch.empty(s.flush_bytes // 4, dtype=torch.float32, device="cuda")
+        flush = self._flush
         for _ in range(s.warmup):
             fn(*inputs)
         times = []

@@ -138,10 +138,9 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
     """Rebuild the kernels of a cached entry for ``plan``; None (with a warning) when the
     entry does not fit this graph, so the caller compiles afresh."""
     from stitch_backend.agents.coder import TemplateCoder
-    from stitch_backend.agents.state import Subtask
+    from stitch_backend.agents.state import subtask_for
     from stitch_backend.kernels import runner_for
 
-    from .regions import region_module
 
     manifest = entry.manifest
     try:
@@ -157,11 +156,8 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
     runners: dict[int, Any] = {}
     for k in manifest.get("kernels", []):
         region = plan.regions[k["region"]]
-        sub = Subtask(region_id=region.id, region_name=f"{task_graph}_{region.name}",
-                      kind=region.kind.value, ops=region.ops, module=region_module(gm, region),
-                      graph=gm, region=region)
         try:
-            cand = coder.propose(sub)
+            cand = coder.propose(subtask_for(gm, region, f"{task_graph}_{region.name}"))
         except Exception as err:  # noqa: BLE001
             log.warning("cache entry %s: cannot regenerate %s (%s); rebuilding",
                         entry.key[:12], k["name"], err)

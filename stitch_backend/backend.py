@@ -210,10 +210,8 @@ class StitchBackend:
 
     def _generate(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord,
                   slot, sm_count: int, base) -> Program:
-        from stitch_backend.agents.acceptance import verify_first_call
         from stitch_backend.agents.loop import implement
         from stitch_backend.agents.state import Task
-        from stitch_backend.agents.verifier import Verifier, VerifySettings
 
         from . import artifacts
         from .kernels import InterpretedRunner, runner_for
@@ -248,10 +246,7 @@ class StitchBackend:
             if slot is not None:
                 artifacts.store_program(slot, program, record, impl.candidates)
 
-        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
-        verify = functools.partial(verify_first_call, verifier=verifier,
-                                   trajectory=impl.trajectory, on_done=on_done,
-                                   make_runner=make_runner)
+        verify = self._verifier_call(base, trajectory=impl.trajectory, on_done=on_done)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
 
     def _plan_replay(self, program: Program, gm, example_inputs, record: GraphRecord) -> None:

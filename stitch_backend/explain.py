@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .backend import GraphRecord, StitchBackend
+from .bench.compare import flatten_outputs
 from .ir import RegionKind
 
 log = logging.getLogger("stitch_backend.explain")
@@ -53,7 +54,7 @@ def trace(model: torch.nn.Module, inputs: list[Any], *, arch: str | None = None,
     compiled = torch.compile(model, backend=backend)
     if training:
         out = compiled(*inputs)
-        tensors = [o for o in _flat(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        tensors = [o for o in flatten_outputs(out) if isinstance(o, torch.Tensor) and o.requires_grad]
         if tensors:
             sum(t.sum() for t in tensors).backward()
     else:
@@ -101,8 +102,7 @@ def emit_sources(records: list[GraphRecord], emit_dir: Path, *,
     """Write the CUDA source the template Coder writes for every region; record why not
     where it writes none."""
     from stitch_backend.agents.coder import NoCandidate, TemplateCoder
-    from stitch_backend.agents.state import Subtask
-    from .regions import region_module
+    from stitch_backend.agents.state import subtask_for
 
     emit_dir.mkdir(parents=True, exist_ok=True)
     coder = TemplateCoder()
@@ -112,11 +112,8 @@ def emit_sources(records: list[GraphRecord], emit_dir: Path, *,
             if region.kind is RegionKind.FALLBACK:
                 continue
             name = f"g{rec.index}_{region.name}"
-            sub = Subtask(region_id=region.id, region_name=name, kind=region.kind.value,
-                          ops=region.ops, module=region_module(rec.gm, region), graph=rec.gm,
-                          region=region)
             try:
-                cand = coder.propose(sub)
+                cand = coder.propose(subtask_for(rec.gm, region, name))
             except NoCandidate as err:
                 out.append(Emitted(rec.index, region.id, None, str(err)))
                 continue
@@ -131,7 +128,3 @@ def emit_sources(records: list[GraphRecord], emit_dir: Path, *,
     return out
 
 
-def _flat(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [x for v in value for x in _flat(v)]
-    return [value]
