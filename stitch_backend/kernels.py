@@ -38,6 +38,10 @@ class KernelRunner:
         return twin
 
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+                raise ValueError(f"{self.kernel.name}: input on {x.device}; the kernel "
+                                 "reads CUDA memory only")
         launch = self.kernel.prepare(inputs)
         if self.poison:
             for out in launch.outputs:

@@ -49,10 +49,15 @@ def bind(ir: KernelIR, inputs: Sequence) -> dict:
     for pos, v in ir.int_inputs:
         if int(inputs[pos]) != v:
             raise ValueError(f"{ir.name}: input {pos} must be {v} (specialised), got {inputs[pos]}")
+    device = None
     for arg in ir.inputs:
         x = inputs[arg.position]
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{ir.name}: input {arg.position} must be a tensor")
+        if device is not None and x.device != device:
+            raise ValueError(f"{ir.name}: input {arg.position} is on {x.device}, the others "
+                             f"on {device}; a kernel reads one device's memory")
+        device = x.device
         if x.dtype != arg.dtype:
             raise ValueError(f"{ir.name}: input {arg.position} has dtype {x.dtype}, kernel "
                              f"was generated for {arg.dtype}")

@@ -400,9 +400,23 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
         if not isinstance(o, torch.fx.Node) or not isinstance(ctx.env.get(o), LT):
             raise Unsupported(f"region output {o} is not a tensor computed in the region")
         out_vals.append((o, ctx.env[o]))
+    _one_device(placeholders, outputs)
     from .finalize import finalize
 
     return finalize(ctx, out_vals, int_inputs)
+
+
+def _one_device(placeholders: list, outputs: Sequence) -> None:
+    """A kernel reads and writes memory of one device: a region mixing, say, a CPU
+    scalar tensor constant with CUDA tensors (which ATen allows) stays on ATen."""
+    devices: dict[str, str] = {}
+    for node in [*placeholders, *outputs]:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            devices.setdefault(str(val.device), node.name)
+    if len(devices) > 1:
+        raise Unsupported("region mixes devices: " + ", ".join(
+            f"{name} on {dev}" for dev, name in devices.items()))
 
 
 _IGNORED = {"_assert_scalar", "sym_constrain_range", "sym_constrain_range_for_size",

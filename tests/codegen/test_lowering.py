@@ -190,6 +190,21 @@ def test_prepare_rejects_inputs_of_another_layout():
         k.prepare([torch.randn(6, 40, dtype=torch.float64)])
 
 
+def test_a_region_mixing_devices_stays_on_aten():
+    # ATen lets a 0-dim CPU tensor (a lifted constant, as in ``z[:, 0] = 0.0``) meet CUDA
+    # tensors; a kernel handed its host pointer would fault. Meta stands in for CUDA.
+    gm = _trace(lambda a, b: a + b, torch.randn(4, 4), torch.tensor(0.0))
+    gm.graph.find_nodes(op="placeholder")[0].meta["val"] = torch.empty(4, 4, device="meta")
+    with pytest.raises(Unsupported, match="mixes devices"):
+        generate(gm, "mixed")
+
+
+def test_prepare_rejects_inputs_on_two_devices():
+    k = generate(_trace(lambda a, b: a * b, torch.randn(4, 4), torch.randn(4, 4)), "two")
+    with pytest.raises(ValueError, match="one device"):
+        k.prepare([torch.randn(4, 4), torch.empty(4, 4, device="meta")])
+
+
 def test_half_results_round_where_eager_rounds():
     # (a * b) rounds to fp16 before + 1 in eager; the kernel must round there too
     a = torch.full((8,), 1.0009765625, dtype=torch.float16)
