@@ -138,7 +138,7 @@ def _judge(cand: Candidate, step: Step, inputs: list[Any], eager_outs: Sequence[
                 return None, Verdict(ok=False, reason=why)
         runner = make_runner(cand)
         return runner, verifier.check(runner.poisoning(), step.aten, inputs,
-                                      seed=step.region.id)
+                                      seed=step.region.id, timed=runner)
     except Exception as err:  # noqa: BLE001 - a broken candidate is a rejection
         return None, Verdict(ok=False, reason=f"could not run: {type(err).__name__}: {err}")
 

@@ -104,6 +104,7 @@ class Verdict:
     degenerate: bool = False
     candidate_ms: float | None = None
     eager_ms: float | None = None
+    clock: str = ""              # how the times were taken: "cuda-graph" or "cuda-events"
 
     @property
     def speedup(self) -> float | None:

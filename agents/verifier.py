@@ -36,6 +36,9 @@ class VerifySettings:
     require_speedup: bool = True
     min_speedup: float = 1.0
     flush_bytes: int = 256 << 20
+    # Time candidate and ATen region as CUDA graph replays (GPU time only), for Programs
+    # that will be replayed as one graph; otherwise host launch cost counts too.
+    graph_timing: bool = False
 
 
 def fresh_draw(inputs: Sequence[Any], generator: torch.Generator, scale: float = 1.0,
@@ -103,10 +106,12 @@ class Verifier:
         self._flush: torch.Tensor | None = None
 
     def check(self, candidate: Fn, eager: Fn, inputs: Sequence[Any], *,
-              seed: int = 0) -> Verdict:
+              seed: int = 0, timed: Fn | None = None) -> Verdict:
         """Correctness and speed of ``candidate`` against ``eager`` on ``inputs`` and fresh
         draws. ``candidate`` must poison (NaN-fill) its outputs before writing them; the
-        kernel runners do, and this is checked by the every-element comparison."""
+        kernel runners do, and this is checked by the every-element comparison.
+        ``timed`` is what is timed (default ``candidate``): the same kernels without
+        the poisoning fills, which the installed runner does not do either."""
         s = self.settings
         gen = torch.Generator().manual_seed(seed)
         draws: list[list[Any]] = [list(inputs)]
@@ -150,16 +155,36 @@ class Verifier:
         if not (torch.cuda.is_available() and _on_cuda(inputs)):
             verdict.reason += "; not timed (no CUDA inputs)"
             return verdict
-        verdict.candidate_ms = self.time(candidate, inputs)
-        verdict.eager_ms = self.time(eager, inputs)
+        verdict.candidate_ms, verdict.eager_ms, verdict.clock = self.time_pair(
+            timed or candidate, eager, inputs)
         speedup = verdict.speedup or 0.0
         if s.require_speedup and speedup <= s.min_speedup:
             verdict.ok = False
             verdict.reason = (f"correct but not faster than eager "
-                              f"({verdict.candidate_ms:.4f} ms vs {verdict.eager_ms:.4f} ms)")
+                              f"({verdict.candidate_ms:.4f} ms vs {verdict.eager_ms:.4f} ms, "
+                              f"{verdict.clock})")
         else:
-            verdict.reason = f"correct, {speedup:.2f}x eager" + note
+            verdict.reason = f"correct, {speedup:.2f}x eager ({verdict.clock})" + note
         return verdict
+
+    def time_pair(self, candidate: Fn, eager: Fn, inputs: Sequence[Any]
+                  ) -> tuple[float, float, str]:
+        """(candidate ms, eager ms, clock): both as CUDA graph replays when
+        ``graph_timing`` is set and both capture, else both with CUDA events."""
+        if self.settings.graph_timing:
+            graphs = []
+            try:
+                graphs = [_capture(candidate, inputs), _capture(eager, inputs)]
+                return (self.time(graphs[0].replay, ()), self.time(graphs[1].replay, ()),
+                        "cuda-graph")
+            except Exception as err:  # noqa: BLE001 - some regions cannot be captured
+                log.debug("graph timing unavailable (%s: %s); timing with events",
+                          type(err).__name__, err)
+                torch.cuda.synchronize()
+            finally:
+                for g in graphs:
+                    g.reset()
+        return self.time(candidate, inputs), self.time(eager, inputs), "cuda-events"
 
     def time(self, fn: Fn, inputs: Sequence[Any]) -> float:
         """Median milliseconds of ``fn(*inputs)`` with CUDA events, L2 flushed each run."""
@@ -180,6 +205,20 @@ class Verifier:
             end.synchronize()
             times.append(start.elapsed_time(end))
         return statistics.median(times)
+
+
+def _capture(fn: Fn, inputs: Sequence[Any]) -> "torch.cuda.CUDAGraph":
+    """``fn(*inputs)`` captured into a CUDA graph (warmed up on a side stream first, as
+    capture requires); its outputs live in the graph's private pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*inputs)
+    return graph
 
 
 def _on_cuda(inputs: Sequence[Any]) -> bool:

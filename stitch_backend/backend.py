@@ -135,6 +135,8 @@ class StitchBackend:
         record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
                              dynamic=dynamic, compile_ms=0.0, gm=gm)
         notes = record.notes
+        replay_why = (self._replay_ineligible(gm, example_inputs, record)
+                      if device == "cuda" else "not a CUDA graph")
         if device == "meta":
             why = "traced on meta tensors: plan only, nothing runs"
             notes.append(why)
@@ -157,11 +159,12 @@ class StitchBackend:
             self._mark_aten(plan, why)
             program = Program(gm, plan)
         else:
-            program = self._build(gm, plan, key, arch, record)
+            program = self._build(gm, plan, key, arch, record,
+                                  graph_timing=replay_why is None)
         program.notes_sink = record.notes
         program.recheck_shapes = dynamic
         if device == "cuda":
-            self._plan_replay(program, gm, example_inputs, record)
+            self._plan_replay(program, replay_why, record)
         record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
@@ -173,12 +176,13 @@ class StitchBackend:
         return program
 
     def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,
-               interpreted: bool = False) -> Program:
+               interpreted: bool = False, graph_timing: bool = False) -> Program:
         """Warm start from the cache, or Coder + compile now and Verifier on the first call
         (verification needs real inputs), then store the verified Program.
 
         ``interpreted`` (the cpu_interpret testing aid) runs the same pipeline with the
-        kernel-IR interpreter in place of nvcc and the GPU."""
+        kernel-IR interpreter in place of nvcc and the GPU. ``graph_timing``: the Program
+        will be replayed as one CUDA graph, so candidates are timed as graph replays."""
         from . import artifacts
         from .kernels import InterpretedRunner, KernelRunner
 
@@ -199,17 +203,19 @@ class StitchBackend:
                     record.cached = True
                     # No verification now (the entry was verified before it was stored);
                     # the verifier stays attached for new shapes of a symbolic graph.
-                    return Program(gm, plan, warm.runners, verify=self._verifier_call(base))
+                    return Program(gm, plan, warm.runners, verify=self._verifier_call(
+                        base, graph_timing=graph_timing))
                 notes.append("cache entry did not fit this graph: rebuilt, not stored")
         try:
-            return self._generate(gm, plan, key, arch, record, slot, sm_count, base)
+            return self._generate(gm, plan, key, arch, record, slot, sm_count, base,
+                                  graph_timing)
         except BaseException:
             if slot is not None:
                 slot.release()
             raise
 
     def _generate(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord,
-                  slot, sm_count: int, base) -> Program:
+                  slot, sm_count: int, base, graph_timing: bool = False) -> Program:
         from stitch_backend.agents.loop import implement
         from stitch_backend.agents.state import Task
 
@@ -246,19 +252,24 @@ class StitchBackend:
             if slot is not None:
                 artifacts.store_program(slot, program, record, impl.candidates)
 
-        verify = self._verifier_call(base, trajectory=impl.trajectory, on_done=on_done)
+        verify = self._verifier_call(base, graph_timing=graph_timing,
+                                     trajectory=impl.trajectory, on_done=on_done)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
 
-    def _plan_replay(self, program: Program, gm, example_inputs, record: GraphRecord) -> None:
-        """Turn on whole-Program CUDA graph replay where it can work; say why not elsewhere."""
+    def _replay_ineligible(self, gm, example_inputs, record: GraphRecord) -> str | None:
+        """Why this CUDA graph's Program cannot be replayed as one CUDA graph (None: it can)."""
         from . import cudagraphs
 
         if not self.config.cudagraphs:
-            record.notes.append("CUDA graph replay off: option cudagraphs=False")
-            return
-        why = cudagraphs.ineligible(gm, example_inputs, device=record.device,
-                                    dynamic=record.dynamic, stage=record.stage,
-                                    allow_training=self.config.cudagraphs_training)
+            return "option cudagraphs=False"
+        return cudagraphs.ineligible(gm, example_inputs, device=record.device,
+                                     dynamic=record.dynamic, stage=record.stage,
+                                     allow_training=self.config.cudagraphs_training)
+
+    def _plan_replay(self, program: Program, why: str | None, record: GraphRecord) -> None:
+        """Turn on whole-Program CUDA graph replay where it can work; say why not elsewhere."""
+        from . import cudagraphs
+
         if why:
             record.notes.append(f"CUDA graph replay off: {why}")
             return
@@ -269,14 +280,15 @@ class StitchBackend:
         record.notes.append("CUDA graph replay on: captured after verification and one "
                             "warm-up call, checked bit for bit on its first replay")
 
-    def _verifier_call(self, base, **kw):
+    def _verifier_call(self, base, graph_timing: bool = False, **kw):
         """The first-call verification callback for Programs of this backend."""
         from stitch_backend.agents.acceptance import verify_first_call
         from stitch_backend.agents.verifier import Verifier, VerifySettings
 
         from .kernels import runner_for
 
-        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup))
+        verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup,
+                                           graph_timing=graph_timing))
         return functools.partial(verify_first_call, verifier=verifier,
                                  make_runner=functools.partial(runner_for, base=base), **kw)
 

@@ -45,6 +45,27 @@ class LaunchPlan:
     scratch: tuple[torch.Tensor, ...] = ()
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """What ``prepare`` derives from one input layout (validated once)."""
+
+    device: torch.device
+    outputs: tuple            # (shape, stride, dtype) per output
+    scratch: tuple            # (elements, dtype) per workspace; 0 elements: the ticket
+    positions: tuple          # region-input position of each pointer argument
+    tail: tuple               # size symbols, then log2_tk for a reduction
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+
+
+_MAX_LAYOUTS = 64  # a symbolic kernel seen at many sizes stops memoising, still correct
+
+
+def _layout_key(inputs: Sequence) -> tuple:
+    return tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
+                 else ("int", int(x)) for x in inputs)
+
+
 def _pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
@@ -68,6 +89,7 @@ class FusedKernel:
     sm_count: int = 132
     ir: KernelIR = field(repr=False, compare=False, default=None)
     emitted: Emitted = field(repr=False, compare=False, default=None)
+    _layouts: dict = field(repr=False, compare=False, default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -102,28 +124,44 @@ class FusedKernel:
         """Allocate the outputs and compute the launch for these inputs.
 
         Raises ValueError when the inputs' shapes/strides/dtypes differ from what the
-        kernel was generated for (under its symbolic sizes).
+        kernel was generated for (under its symbolic sizes). The checks and the size
+        arithmetic run once per input layout; later calls with that layout only
+        allocate and pack pointers (this is on every launch's host path).
         """
+        key = _layout_key(inputs)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layout(inputs)
+            if len(self._layouts) < _MAX_LAYOUTS:
+                self._layouts[key] = layout
+        outputs = tuple(torch.empty_strided(shape, stride, dtype=dt, device=layout.device)
+                        for shape, stride, dt in layout.outputs)
+        scratch = tuple(torch.empty(n, dtype=dt, device=layout.device) if n
+                        else torch.zeros(1, dtype=torch.int32, device=layout.device)
+                        for n, dt in layout.scratch)
+        args = [inputs[p].data_ptr() for p in layout.positions]
+        args += [o.data_ptr() for o in outputs]
+        args += [t.data_ptr() for t in scratch]
+        args += layout.tail
+        return LaunchPlan(layout.grid, layout.block, 0, tuple(args), outputs, scratch)
+
+    def _layout(self, inputs: Sequence[torch.Tensor | int]) -> "_Layout":
         ir = self.ir
         values = bind(ir, inputs)
         tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
         device = tensors[0].device if tensors else torch.device("cuda")
-        outputs = tuple(torch.empty_strided(shape, stride, dtype=o.dtype, device=device)
+        outputs = tuple((tuple(shape), tuple(stride), o.dtype)
                         for o, (shape, stride) in zip(ir.outputs, output_layout(ir, values)))
         rows, red = extents(ir, values)
         blocks, threads, log2_tk = self.launch_shape(rows, red)
-        scratch = []
-        for _, dt in self.emitted.workspaces:
-            scratch.append(torch.empty(max(rows, 1), dtype=dt, device=device))
+        scratch = [(max(rows, 1), dt) for _, dt in self.emitted.workspaces]
         if self.emitted.workspaces:
-            scratch.append(torch.zeros(1, dtype=torch.int32, device=device))  # the ticket
-        args: list = [inputs[a.position].data_ptr() for a in ir.inputs]
-        args += [o.data_ptr() for o in outputs]
-        args += [s.data_ptr() for s in scratch]
-        args += [values[b.symbol] for b in ir.symbols]
+            scratch.append((0, torch.int32))  # the ticket, zeroed on every launch
+        tail = [values[b.symbol] for b in ir.symbols]
         if self.emitted.kind == "reduction":
-            args.append(log2_tk)
-        return LaunchPlan((blocks, 1, 1), (threads, 1, 1), 0, tuple(args), outputs, tuple(scratch))
+            tail.append(log2_tk)
+        return _Layout(device, outputs, tuple(scratch), tuple(a.position for a in ir.inputs),
+                       tuple(tail), (blocks, 1, 1), (threads, 1, 1))
 
     def interpret(self, inputs: Sequence[torch.Tensor | int]) -> list[torch.Tensor]:
         """The region's outputs computed by the CPU interpreter of the kernel IR."""

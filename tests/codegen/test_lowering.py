@@ -190,6 +190,22 @@ def test_prepare_rejects_inputs_of_another_layout():
         k.prepare([torch.randn(6, 40, dtype=torch.float64)])
 
 
+def test_prepare_validates_each_layout_once(monkeypatch):
+    import stitch_backend.codegen.fused as fused
+
+    calls = []
+    real_bind = fused.bind
+    monkeypatch.setattr(fused, "bind", lambda ir, xs: calls.append(1) or real_bind(ir, xs))
+    k = generate(_trace(lambda a: a.relu() * 2, torch.randn(6, 8)), "memo")
+    first, second = k.prepare([torch.randn(6, 8)]), k.prepare([torch.randn(6, 8)])
+    assert len(calls) == 1
+    assert first.args != second.args  # fresh outputs and pointers on every call
+    assert first.outputs[0].data_ptr() != second.outputs[0].data_ptr()
+    with pytest.raises(ValueError, match="strides"):  # a new layout is checked again
+        k.prepare([torch.randn(8, 6).t()])
+    assert len(calls) == 2
+
+
 def test_a_region_mixing_devices_stays_on_aten():
     # ATen lets a 0-dim CPU tensor (a lifted constant, as in ``z[:, 0] = 0.0``) meet CUDA
     # tensors; a kernel handed its host pointer would fault. Meta stands in for CUDA.
