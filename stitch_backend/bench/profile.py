@@ -1,0 +1,73 @@
+"""Where one call's GPU time goes: the top CUDA kernels of a problem under each backend.
+
+    python -m stitch_backend.bench.profile PROBLEM [--backends eager,stitchcuda] [--top 12]
+
+PROBLEM is a KernelBench-format file or ``package.module:factory``. Each backend gets a
+fresh model (same seed), three warm calls under ``no_grad`` in the bench's mode, then one
+profiled call; the table lists kernels by total CUDA time, then the call's total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import backends as backends_mod
+from .problems import load_problem
+from .worker import TaskConfig, build_model
+
+
+def profile_backend(name: str, problem, cfg: TaskConfig, top: int) -> str:
+    """The kernel table of one profiled call of ``problem`` under backend ``name``."""
+    import torch._dynamo
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    model = build_model(problem, cfg, device)
+    compiled = backends_mod.wrap(name, model)
+    torch.manual_seed(cfg.seed)
+    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.make_inputs()]
+    with torch.no_grad():
+        for _ in range(3):
+            compiled.fn(*inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            compiled.fn(*inputs)
+            torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    lines = [f"## {name}: {total / 1e3:.3f} ms of kernels in one call, "
+             f"{sum(e.count for e in events)} launches",
+             "", "| kernel | calls | ms | share |", "|---|---|---|---|"]
+    for e in events[:top]:
+        lines.append(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
+                     f"{e.self_device_time_total / max(total, 1):.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m stitch_backend.bench.profile",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("problem")
+    p.add_argument("--backends", default="eager,stitchcuda")
+    p.add_argument("--mode", choices=["train", "eval"], default="train")
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile: needs a CUDA device", file=sys.stderr)
+        return 2
+    problem = load_problem(args.problem)
+    cfg = TaskConfig(spec=args.problem, name=problem.name, backends=[], device="cuda",
+                     mode=args.mode)
+    for name in backends_mod.validate_backends(args.backends.split(",")):
+        print(profile_backend(name, problem, cfg, args.top), flush=True)
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
