@@ -215,8 +215,10 @@ def _capture(fn: Fn, inputs: Sequence[Any]) -> "torch.cuda.CUDAGraph":
     with torch.cuda.stream(side):
         fn(*inputs)
     torch.cuda.current_stream().wait_stream(side)
+    from stitch_backend.cudagraphs import rng_restored_on_failure
+
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with rng_restored_on_failure(), torch.cuda.graph(graph):
         fn(*inputs)
     return graph
 

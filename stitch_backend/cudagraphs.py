@@ -14,8 +14,9 @@ before they are handed over, so a later call never overwrites what the user hold
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -51,6 +52,29 @@ def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, devic
         if x.device.type != "cuda":
             return f"an input lives on {x.device.type}"
     return None
+
+
+@contextlib.contextmanager
+def rng_restored_on_failure() -> Iterator[None]:
+    """Around a CUDA graph capture: if the capture fails, put back the CUDA generators'
+    states, which the capture had switched to capturing mode and torch leaves so (the
+    next random op outside a capture would then raise)."""
+    saved = []
+    for gen in torch.cuda.default_generators:
+        try:
+            saved.append((gen, gen.clone_state()))
+        except (AttributeError, RuntimeError):  # pragma: no cover - older torch
+            pass
+    try:
+        yield
+    except BaseException:
+        for gen, state in saved:
+            try:
+                gen.graphsafe_set_state(state)
+            except (AttributeError, RuntimeError) as err:  # pragma: no cover
+                log.warning("could not restore the CUDA generator after a failed capture "
+                            "(%s: %s)", type(err).__name__, err)
+        raise
 
 
 def _aliases_input(node: torch.fx.Node) -> bool:
@@ -127,7 +151,7 @@ class GraphReplay:
                 self.program.run_inputs(self.static_inputs)  # warm-up on the side stream
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with rng_restored_on_failure(), torch.cuda.graph(graph):
                 self.static_outputs = self.program.run_inputs(self.static_inputs)
             self.graph = graph
             self.captures += 1

@@ -31,8 +31,12 @@ def test_an_uncapturable_side_falls_back_to_events_for_both():
 
     v = Verifier(_settings(True)).check(syncs, lambda t: [t + t], [x])
     assert v.ok and v.clock == "cuda-events", v.reason
-    # and the process's CUDA state survived the failed capture
+    # the process's CUDA state survived the failed capture, random ops included
     assert torch.equal((x * 2).cpu(), (x + x).cpu())
+    torch.manual_seed(0)
+    a = torch.randn(8, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(a, torch.randn(8, device="cuda"))
 
 
 def test_without_graph_timing_events_are_used():
