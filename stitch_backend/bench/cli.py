@@ -53,6 +53,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=None, help="timed runs (default: 100 on cuda, 10 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 10 on cuda, 2 on cpu)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per task (default: %(default)s)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="tasks run at once, each in its own process; on CUDA each gets its own "
+                        "GPU, so N needs N GPUs (default: %(default)s)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: ./bench-out)")
     p.add_argument("--resume", action="store_true",
                    help="skip tasks already in OUT/results.jsonl with every requested backend")
@@ -127,6 +130,14 @@ def run(args: argparse.Namespace) -> int:
         print("stitchcuda bench: error: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return USAGE_ERROR
     on_gpu = device == "cuda"
+    if args.jobs < 1:
+        print("stitchcuda bench: error: --jobs must be positive", file=sys.stderr)
+        return USAGE_ERROR
+    if on_gpu and args.jobs > 1 and args.jobs > torch.cuda.device_count():
+        print(f"stitchcuda bench: error: --jobs {args.jobs} needs {args.jobs} GPUs (one per "
+              f"task, so timings do not mix); torch sees {torch.cuda.device_count()}",
+              file=sys.stderr)
+        return USAGE_ERROR
     for flag in ("trials", "runs", "warmup"):
         v = getattr(args, flag)
         if v is not None and v < (0 if flag == "warmup" else 1):
@@ -139,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup if args.warmup is not None else (10 if on_gpu else 2),
         timeout_s=args.timeout, out_dir=args.out, resume=args.resume, seed=args.seed,
         caches=args.caches, recompile=not args.no_recompile, plot=not args.no_plot,
-        progress=not args.no_progress, report_only=args.report_only)
+        progress=not args.no_progress, report_only=args.report_only, jobs=args.jobs)
     result = run_bench(cfg, problems)
     for note in result.notes:
         print(note)

@@ -9,17 +9,20 @@ call's time is a cold compile; ``caches="keep"`` leaves the environment's caches
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .metrics import BackendSummary, TaskResult, latest_runs, summarise
 from .problems import ProblemRef
@@ -55,6 +58,7 @@ class BenchConfig:
     plot: bool = True
     progress: bool = True
     python: str = sys.executable
+    jobs: int = 1                    # tasks run at once; on CUDA, one GPU each
 
 
 @dataclass
@@ -76,8 +80,10 @@ def _package_root() -> Path:
     return Path(stitch_backend.__file__).resolve().parent.parent
 
 
-def _child_env(cfg: BenchConfig, tmp: Path) -> dict[str, str]:
+def _child_env(cfg: BenchConfig, tmp: Path, gpu: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if gpu is not None:              # parallel CUDA tasks: each child sees its own GPU
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     # The child must import this same stitch_backend even when it is not installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_package_root()), env.get("PYTHONPATH")) if p)
     if cfg.caches == "fresh":
@@ -94,9 +100,11 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str) -> list[BenchRecord]:
-    """Run one task in a child process; a record for every backend, the child's own or
-    a timeout/crash record carrying the tail of its stderr."""
+def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
+                     gpu: str | None = None) -> list[BenchRecord]:
+    """Run one task in a child process (restricted to GPU ``gpu`` when given); a record
+    for every backend, the child's own or a timeout/crash record carrying the tail of
+    its stderr."""
     task_cfg = TaskConfig(spec=ref.spec, name=ref.name, backends=list(cfg.backends),
                           device=cfg.device, mode=cfg.mode, trials=cfg.trials, runs=cfg.runs,
                           warmup=cfg.warmup, seed=cfg.seed, task_run=task_run,
@@ -110,7 +118,7 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str) -> list[B
         t0 = time.monotonic()
         with (tmp / "stdout.txt").open("wb") as so, (tmp / "stderr.txt").open("wb") as se:
             # Its own session, so a timeout kills the child and anything it started (nvcc).
-            proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=_child_env(cfg, tmp),
+            proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=_child_env(cfg, tmp, gpu),
                                     start_new_session=True)
             timed_out = False
             try:
@@ -221,17 +229,23 @@ def run_bench(cfg: BenchConfig, problems: Sequence[ProblemRef]) -> BenchResult:
     results_path = cfg.out_dir / RESULTS_NAME
     problems, todo, skipped, notes = _plan(cfg, list(problems), results_path)
 
-    bar = tqdm(todo, desc="bench", unit="task", file=sys.stderr, disable=not cfg.progress,
-               dynamic_ncols=True)
-    for ref in bar:
-        bar.set_postfix_str(ref.name)
-        task_run = f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        recs = run_task_process(cfg, ref, task_run)
+    bar = tqdm(total=len(todo), desc="bench", unit="task", file=sys.stderr,
+               disable=not cfg.progress, dynamic_ncols=True)
+
+    def finished(ref: ProblemRef, recs: list[BenchRecord]) -> None:
         append_records(results_path, recs)
         line = f"{ref.name}: {_one_line(recs)}"
         log.info(line)
+        bar.update(1)
         if cfg.progress:
             bar.write(line, file=sys.stderr)
+
+    if cfg.jobs <= 1:
+        for ref in todo:
+            bar.set_postfix_str(ref.name)
+            finished(ref, run_task_process(cfg, ref, _task_run_id()))
+    else:
+        _run_parallel(cfg, todo, finished)
     bar.close()
 
     # The summary covers the selected tasks, read back from the file (resumed ones too).
@@ -251,6 +265,38 @@ def run_bench(cfg: BenchConfig, problems: Sequence[ProblemRef]) -> BenchResult:
                  if cfg.plot else "plot: disabled")
     return BenchResult(results, summaries, markdown, results_path, summary_path,
                        plot_note, skipped, notes)
+
+
+def _task_run_id() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def _run_parallel(cfg: BenchConfig, todo: Sequence[ProblemRef],
+                  finished: Callable[[ProblemRef, list[BenchRecord]], None]) -> None:
+    """``cfg.jobs`` tasks at once, each in its own child; on CUDA each slot owns one GPU
+    (CUDA_VISIBLE_DEVICES), so no two timed tasks share a device. Records are written
+    as tasks finish, one task at a time."""
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    slots: queue.SimpleQueue = queue.SimpleQueue()
+    for i in range(cfg.jobs):
+        if cfg.device != "cuda":
+            slots.put(None)
+        else:  # the i-th GPU this process may use
+            slots.put(visible[i].strip() if i < len(visible) else str(i))
+    lock = threading.Lock()
+
+    def one(ref: ProblemRef) -> None:
+        gpu = slots.get()
+        try:
+            recs = run_task_process(cfg, ref, _task_run_id(), gpu)
+        finally:
+            slots.put(gpu)
+        with lock:
+            finished(ref, recs)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
+        for fut in [pool.submit(one, ref) for ref in todo]:
+            fut.result()
 
 
 def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:

@@ -142,6 +142,22 @@ def test_crashing_and_hanging_children_cost_only_their_rows(tmp_path):
     assert all(r.status == "timeout" and "--timeout 2" in r.reason for r in recs)
 
 
+def test_parallel_jobs_give_each_cuda_task_its_own_gpu(tmp_path, monkeypatch):
+    # Stand-in children that report the GPU they were given, then exit: every task gets
+    # its rows, and no two tasks running at once share a GPU.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    cfg = runner.BenchConfig(backends=["eager"], device="cuda", out_dir=tmp_path / "out",
+                             timeout_s=30.0, progress=False, plot=False, jobs=2)
+    cfg.python = _fake_python(tmp_path, 'echo "gpu=$CUDA_VISIBLE_DEVICES" >&2; sleep 0.3; exit 3')
+    problems = [ProblemRef(f"t{i}", f"t{i}.py") for i in range(5)]
+    result = runner.run_bench(cfg, problems)
+    recs = read_records(result.results_path)
+    assert sorted(r.task for r in recs) == [f"t{i}" for i in range(5)]
+    assert all(r.status == "crash" for r in recs)
+    gpus = {r.error.strip() for r in recs}
+    assert gpus == {"gpu=5", "gpu=7"}
+
+
 def test_usage_errors_return_2(tmp_path, capsys):
     assert cli.run(_parse(["bench", "--out", str(tmp_path)])) == 2
     assert "no problems" in capsys.readouterr().err
@@ -149,6 +165,9 @@ def test_usage_errors_return_2(tmp_path, capsys):
     assert cli.run(_parse(["bench", "--suite", "examples", "--backends", "eager,nope",
                            "--out", str(tmp_path)])) == 2
     assert "unknown backend 'nope'" in capsys.readouterr().err
+    assert cli.run(_parse(["bench", "--suite", "examples", "--jobs", "0",
+                           "--out", str(tmp_path)])) == 2
+    assert "--jobs must be positive" in capsys.readouterr().err
     assert not (tmp_path / "results.jsonl").exists()
 
 
