@@ -7,9 +7,14 @@ candidates later; it never replaces the template's, and its output is untrusted.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from typing import Any
 
-from stitch_backend.codegen.fused import generate
+import torch
+
+from stitch_backend.codegen.fused import Unsupported, generate
+from stitch_backend.graph import canonical_graph
 from stitch_backend.ir import Region
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import region_module, split_anchor
@@ -39,6 +44,9 @@ class TemplateCoder:
 
     def __init__(self, sm_count: int = 132):
         self.sm_count = sm_count
+        # structure key -> kernel or Unsupported: repeated blocks (ResNet stages,
+        # transformer layers) and replanning retries generate once per structure
+        self._generated: dict[str, Any] = {}
 
     def propose(self, subtask: Subtask) -> Candidate:
         """A candidate for ``subtask``, or NoCandidate with the reason."""
@@ -64,8 +72,6 @@ class TemplateCoder:
     def _kernel_stages(self, subtask: Subtask, names: list[str], what: str) -> list[Stage]:
         """Stages covering ``names`` in order: kernels for the longest runs that generate,
         ATen for nodes no run can start with. NoCandidate if no kernel at all."""
-        from stitch_backend.codegen.fused import Unsupported
-
         gm = subtask.graph
         nodes = {n.name: n for n in gm.graph.nodes}
         compute = lambda run: any(classify(nodes[n]) is not OpClass.VIEW for n in run)
@@ -78,7 +84,7 @@ class TemplateCoder:
             sub = sub_region(gm, run, subtask.region_id, index)
             name = subtask.region_name if index < 0 else f"{subtask.region_name}_s{index}"
             try:
-                return sub, generate(region_module(gm, sub), name, sm_count=self.sm_count)
+                return sub, self._generate(region_module(gm, sub), name)
             except Unsupported as err:
                 first_error = first_error or err
                 return sub, None
@@ -121,9 +127,23 @@ class TemplateCoder:
 
     def _renamed(self, gm, sub: Region, kernel, name: str):
         """The kernel named for its final stage position (names must be unique)."""
-        if kernel.entry == name:
-            return kernel
-        return generate(region_module(gm, sub), name, sm_count=self.sm_count)
+        return kernel.renamed(name)
+
+    def _generate(self, module, name: str):
+        """``generate(module, name)``, once per region structure (Unsupported too)."""
+        key = structure_key(module)
+        if key is None:
+            return generate(module, name, sm_count=self.sm_count)
+        hit = self._generated.get(key)
+        if hit is None:
+            try:
+                hit = generate(module, name, sm_count=self.sm_count)
+            except Unsupported as err:
+                hit = err
+            self._generated[key] = hit
+        if isinstance(hit, Exception):
+            raise hit
+        return hit.renamed(name)
 
     @staticmethod
     def _aten_stage(gm, run: list[str], region_id: int, index: int) -> Stage:
@@ -153,3 +173,24 @@ def sub_region(gm, names: list[str], region_id: int, index: int) -> Region:
     inputs, outputs = boundary(gm, names)
     return Region(id=region_id * 1000 + max(index, 0), kind=RegionKind.FUSED, nodes=list(names),
                   ops=[], inputs=inputs, outputs=outputs)
+
+
+def structure_key(module: torch.fx.GraphModule) -> str | None:
+    """What generation depends on: the graph up to node names, its input metas and its
+    constants' values. None for symbolic shapes (their symbols' names reach the source)."""
+    for node in module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and (
+                isinstance(val, torch.SymInt) or isinstance(val, torch.Tensor) and any(
+                    isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))):
+            return None
+    digest = hashlib.sha256(canonical_graph(module).encode())
+    for node in module.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(module, node.target, None)
+            if isinstance(value, torch.Tensor):
+                digest.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
+                              .tobytes() if value.numel() else b"")
+            else:
+                digest.update(repr(value).encode())
+    return digest.hexdigest()

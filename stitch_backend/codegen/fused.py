@@ -9,6 +9,7 @@ argument list for ``CudaFunction.launch`` (signature codes: p pointer, i int32, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -162,6 +163,21 @@ class FusedKernel:
             tail.append(log2_tk)
         return _Layout(device, outputs, tuple(scratch), tuple(a.position for a in ir.inputs),
                        tuple(tail), (blocks, 1, 1), (threads, 1, 1))
+
+    def renamed(self, name: str) -> "FusedKernel":
+        """The same kernel under entry point ``name`` (the source differs only there):
+        regions of one structure share a generation."""
+        if name == self.name:
+            return self
+        if not _IDENT.match(name):
+            raise ValueError(f"kernel name {name!r} is not a C identifier")
+        old = re.compile(rf"\b{re.escape(self.name)}\b")
+        source = old.sub(name, self.source)
+        emitted = dataclasses.replace(self.emitted, source=old.sub(name, self.emitted.source),
+                                      entry=name)
+        return dataclasses.replace(self, name=name, source=source, entry=name,
+                                   ir=dataclasses.replace(self.ir, name=name),
+                                   emitted=emitted, _layouts={})
 
     def interpret(self, inputs: Sequence[torch.Tensor | int]) -> list[torch.Tensor]:
         """The region's outputs computed by the CPU interpreter of the kernel IR."""
