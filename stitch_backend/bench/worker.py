@@ -151,8 +151,14 @@ class References:
         self.eager_output_varies: bool | None = None
 
     def inputs(self, t: int) -> list[Any]:
+        """Trial ``t``'s inputs, drawn on the device itself (a problem's ``torch.rand``
+        lands there directly: KernelBench's level-1 inputs are GBs, which the CPU takes
+        seconds to draw, every trial); anything made elsewhere is moved."""
         torch.manual_seed(self.trial_seeds[t])
-        return _to_device(self.problem.make_inputs(), self.device)
+        if self.device.type == "cpu":
+            return _to_device(self.problem.make_inputs(), self.device)
+        with torch.device(self.device):
+            return _to_device(self.problem.make_inputs(), self.device)
 
     def trial(self, t: int) -> TrialRef:
         if t in self._cache:

@@ -290,3 +290,30 @@ def test_plot_skipped_with_a_note_without_matplotlib(full_run, monkeypatch):
     pytest.importorskip("matplotlib")
     assert write_plot(results, ["eager", "aot_eager"], out / "p.png").startswith("plot:")
     assert (out / "p.png").stat().st_size > 1000
+
+
+def test_trial_inputs_are_drawn_on_the_device(tmp_path):
+    # Meta stands in for CUDA: the problem's torch.randn must create its tensor there
+    # directly, not on the CPU first (GBs of level-1 inputs, every trial).
+    from stitch_backend.bench.problems import load_problem
+    from stitch_backend.bench.worker import References
+
+    source = textwrap.dedent("""
+        import torch, torch.nn as nn
+        class Model(nn.Module):
+            def forward(self, x):
+                return x * 2
+        def get_inputs():
+            x = torch.randn(4, 8)
+            assert x.device.type == DEVICE, x.device
+            return [x]
+        def get_init_inputs():
+            return []
+    """)
+    for device in ("cpu", "meta"):
+        spec = tmp_path / f"1_Scale_{device}.py"
+        spec.write_text(source.replace("DEVICE", repr(device)))
+        problem = load_problem(str(spec))
+        cfg = TaskConfig(spec=str(spec), name="scale", backends=["eager"], device=device)
+        (x,) = References(problem, cfg, torch.device(device)).inputs(0)
+        assert x.device.type == device and x.shape == (4, 8)
