@@ -15,7 +15,7 @@ import torch
 
 from stitch_backend.codegen.fused import Unsupported, generate
 from stitch_backend.graph import canonical_graph
-from stitch_backend.ir import Region
+from stitch_backend.ir import Region, RegionKind
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import region_module, split_anchor
 
@@ -42,8 +42,11 @@ class TemplateCoder:
     # Generation attempts allowed while replanning one region (each costs milliseconds).
     max_attempts = 48
 
-    def __init__(self, sm_count: int = 132):
+    def __init__(self, sm_count: int = 132, split_stats: bool = False):
         self.sm_count = sm_count
+        # Also propose the split-statistics alternative for training BatchNorm over few
+        # channels (``agents.split_stats``); the Verifier keeps the faster one.
+        self.split_stats = split_stats
         # structure key -> kernel or Unsupported: repeated blocks (ResNet stages,
         # transformer layers) and replanning retries generate once per structure
         self._generated: dict[str, Any] = {}
@@ -51,23 +54,63 @@ class TemplateCoder:
     def propose(self, subtask: Subtask) -> Candidate:
         """A candidate for ``subtask``, or NoCandidate with the reason."""
         region = subtask.region
+        lead: list[Stage] = []
+        part = region
         if subtask.kind in ("gemm", "conv"):
-            head, tail = self._split_anchor(subtask)
-            stages = [Stage(head, module=region_module(subtask.graph, head))]
-            stages += self._kernel_stages(subtask, tail.nodes, "epilogue")
+            head, part = self._split_anchor(subtask)
+            lead = [Stage(head, module=region_module(subtask.graph, head))]
+            stages = lead + self._kernel_stages(subtask, part.nodes, "epilogue")
         elif subtask.kind == "fused":
             stages = self._kernel_stages(subtask, region.nodes, "region")
         else:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
+        cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
+        if self.split_stats:
+            alt = self._stats_split(subtask, lead, part)
+            if alt is not None:
+                cand.alternatives.append(alt)
+        return cand
+
+    def _candidate(self, subtask: Subtask, name: str, stages: list[Stage],
+                   outputs: list[str]) -> Candidate:
         kernels = [s.kernel for s in stages if s.kernel is not None]
         if len(stages) == 1:
             k = kernels[0]
             return Candidate(region_id=subtask.region_id, origin=self.origin, name=k.entry,
                              source=k.source, signature=k.signature, kernel=k)
-        return Candidate(region_id=subtask.region_id, origin=self.origin, name=subtask.region_name,
+        return Candidate(region_id=subtask.region_id, origin=self.origin, name=name,
                          source="\n".join(k.source for k in kernels), kernel=kernels[0],
                          signature=kernels[0].signature, stages=stages,
-                         region_inputs=list(region.inputs), region_outputs=list(region.outputs))
+                         region_inputs=list(subtask.region.inputs), region_outputs=outputs)
+
+    def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region) -> Candidate | None:
+        """The split-statistics alternative of a region whose (epilogue) part is a
+        training BatchNorm over few channels; None when it does not apply or generate."""
+        from stitch_backend.regions import boundary
+
+        from .split_stats import split_batchnorm
+
+        split = split_batchnorm(region_module(subtask.graph, part), self.sm_count)
+        if split is None:
+            return None
+        new = split.module
+        stages = list(lead)
+        name = f"{subtask.region_name}_split"
+        for i, names in enumerate(split.stages):
+            inputs, outputs = boundary(new, names)
+            sub = Region(id=subtask.region_id * 1000 + 500 + i, kind=RegionKind.FUSED,
+                         nodes=list(names), ops=[], inputs=inputs, outputs=outputs)
+            try:
+                kernel = self._generate(region_module(new, sub), f"{name}{i}")
+            except Unsupported as err:
+                log.debug("no split-statistics candidate for %s: stage %d: %s",
+                          subtask.region_name, i, err)
+                return None
+            stages.append(Stage(sub, kernel=kernel))
+        out = next(nd for nd in new.graph.nodes if nd.op == "output").args[0]
+        renamed = dict(zip(part.outputs, (a.name for a in out)))
+        return self._candidate(subtask, name, stages,
+                               [renamed.get(n, n) for n in subtask.region.outputs])
 
     def _kernel_stages(self, subtask: Subtask, names: list[str], what: str) -> list[Stage]:
         """Stages covering ``names`` in order: kernels for the longest runs that generate,
@@ -167,7 +210,6 @@ class TemplateCoder:
 
 def sub_region(gm, names: list[str], region_id: int, index: int) -> Region:
     """A piece of a region as a Region of its own (boundary against the whole graph)."""
-    from stitch_backend.ir import RegionKind
     from stitch_backend.regions import boundary
 
     inputs, outputs = boundary(gm, names)

@@ -72,7 +72,7 @@ def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int
         results = list(pool.map(one, eligible))
     extras = {rid: cands for rid, cands in results if cands}
     for rid, cands in extras.items():
-        templates[rid].alternatives = list(cands)
+        templates[rid].alternatives += list(cands)
     log.info("LLM Coder: %d extra candidate(s) for %d of %d region(s) of %s",
              sum(map(len, extras.values())), len(extras), len(eligible), task.graph)
     return extras

@@ -46,7 +46,10 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     (default: the process settings) asks for it, the LLM Coder's extra candidates."""
     from stitch_backend.toolchain import CompileError, CompileJob, compile_many, csrc_dir
 
-    coder = TemplateCoder(sm_count=sm_count)
+    from stitch_backend import config as config_mod
+
+    cfg = config if config is not None else config_mod.current()
+    coder = TemplateCoder(sm_count=sm_count, split_stats=cfg.split_stats)
     trajectory = Trajectory(task=task)
     proposals: list[Candidate] = []
     subtasks: dict[int, Subtask] = {}
@@ -75,9 +78,20 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             trajectory.attempts.append(Attempt("generate", cand, None))
         return out
     t0 = time.perf_counter()
+    alternatives = [a for c in proposals for a in c.alternatives]
     jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
-            for c in proposals]
+            for c in proposals + alternatives]
     results = compile_many(jobs, max_workers=workers or None) if jobs else []
+    results, alt_results = results[:len(proposals)], results[len(proposals):]
+    for alt, result in zip(alternatives, alt_results):
+        if isinstance(result, CompileError):  # the template's own candidate still races
+            log.warning("alternative %s does not compile: %s", alt.name,
+                        str(result).splitlines()[0])
+            alt.compile_error = str(result)
+        else:
+            alt.cubin, alt.compile_s = result.cubin, result.seconds
+    for cand in proposals:
+        cand.alternatives = [a for a in cand.alternatives if a.compile_error is None]
     out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0)
     by_id = {r.id: r for r in plan.regions}
     for cand, result in zip(proposals, results):

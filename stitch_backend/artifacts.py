@@ -110,7 +110,8 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
     for region in plan.regions:
         if region.backend != "kernel":
             continue
-        cand = candidates[region.id]
+        # the winner: the template's candidate or one of its (trusted) alternatives
+        cand = getattr(program.step_of(region.id).fn, "candidate", None) or candidates[region.id]
         stem = f"r{region.id}_{cand.name}"
         if cand.cubin is not None:  # None: the cpu_interpret testing aid compiles nothing
             blobs[f"{stem}.cubin"] = cand.cubin
@@ -134,7 +135,7 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
 
 
 def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
-               base: Any = None) -> WarmStart | None:
+               base: Any = None, split_stats: bool = False) -> WarmStart | None:
     """Rebuild the kernels of a cached entry for ``plan``; None (with a warning) when the
     entry does not fit this graph, so the caller compiles afresh."""
     from stitch_backend.agents.coder import TemplateCoder
@@ -152,7 +153,7 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
     if shape != [(r.kind, r.ops, r.nodes) for r in stored.regions]:
         log.warning("cache entry %s was planned differently; rebuilding", entry.key[:12])
         return None
-    coder = TemplateCoder(sm_count=sm_count)
+    coder = TemplateCoder(sm_count=sm_count, split_stats=split_stats)
     runners: dict[int, Any] = {}
     for k in manifest.get("kernels", []):
         region = plan.regions[k["region"]]
@@ -162,7 +163,9 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
             log.warning("cache entry %s: cannot regenerate %s (%s); rebuilding",
                         entry.key[:12], k["name"], err)
             return None
-        if sha256(cand.source) != k["source_sha256"]:
+        cand = next((c for c in [cand, *cand.alternatives]
+                     if sha256(c.source) == k["source_sha256"]), None)
+        if cand is None:
             log.warning("cache entry %s: kernel %s source changed; rebuilding",
                         entry.key[:12], k["name"])
             return None

@@ -196,7 +196,8 @@ class StitchBackend:
             entry, slot = artifacts.claim(store, key.digest)
             if entry is not None:
                 warm = artifacts.warm_start(entry, gm, plan, task_graph=_kernel_prefix(key),
-                                            sm_count=sm_count, base=base)
+                                            sm_count=sm_count, base=base,
+                                            split_stats=self.config.split_stats)
                 if warm is not None:
                     notes.append(f"loaded from the cache ({len(warm.runners)} kernel(s), "
                                  f"key {key.short})")

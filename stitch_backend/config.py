@@ -66,6 +66,12 @@ class Config:
         metadata=_meta("STITCHCUDA_FOLD_BATCHNORM", True,
                        "Fold eval-mode BatchNorm into the preceding convolution at load."),
     )
+    split_stats: bool = field(
+        default=False,
+        metadata=_meta("STITCHCUDA_SPLIT_STATS", True,
+                       "Also race a split-statistics candidate for training BatchNorm over "
+                       "few channels (experimental: not yet measured on a GPU)."),
+    )
     cpu_interpret: bool = field(
         default=False,
         metadata=_meta("STITCHCUDA_CPU_INTERPRET", True,

@@ -52,7 +52,10 @@ def validate_backends(names: list[str]) -> list[str]:
         n = n.strip()
         if not n or n in out:
             continue
-        if n not in BUILTIN and n not in registered:
+        base, options = split_options(n)
+        if options and BUILTIN.get(base, (base, None))[0] is None:
+            raise UnknownBackendError(f"{n!r}: eager takes no options")
+        if base not in BUILTIN and base not in registered:
             raise UnknownBackendError(
                 f"unknown backend {n!r}; valid: {', '.join(BUILTIN)} or a Dynamo backend "
                 f"({', '.join(sorted(registered))})")
@@ -80,14 +83,45 @@ def resolve_dynamo_backend(name: str) -> tuple[Any, str]:
 
 def wrap(name: str, model: torch.nn.Module) -> Compiled:
     """Wrap ``model`` for backend ``name`` (compilation itself happens on the first call)."""
-    backend, mode = BUILTIN.get(name, (name, None))
+    base, options = split_options(name)
+    backend, mode = BUILTIN.get(base, (base, None))
     if backend is None:
         return Compiled(name, model, None, "eager (no compile)")
     obj, source = resolve_dynamo_backend(backend)
     kwargs: dict[str, Any] = {"backend": obj}
     if mode is not None:
         kwargs["mode"] = mode
+    if options:
+        kwargs["options"] = options
     return Compiled(name, torch.compile(model, **kwargs), obj, source)
+
+
+def split_options(name: str) -> tuple[str, dict[str, Any]]:
+    """``"stitchcuda:split_stats=1+verify=0"`` -> ("stitchcuda", {"split_stats": True,
+    "verify": False}): one backend under two settings, side by side in one run. Values
+    parse as bool (1/0/true/false), int, float, else string."""
+    base, _, rest = name.partition(":")
+    options: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in rest.split("+"))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UnknownBackendError(f"{name!r}: options are KEY=VALUE pairs, got {item!r}")
+        options[key.strip()] = _option_value(value.strip())
+    return base, options
+
+
+def _option_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 def graph_count_marker(compiled: Compiled) -> int:

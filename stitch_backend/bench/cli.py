@@ -47,6 +47,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="eager,inductor,stitchcuda",
                    help="comma list from eager, inductor, inductor-reduce-overhead, "
                         "inductor-max-autotune, stitchcuda, aot_eager (or any Dynamo backend); "
+                        "NAME:KEY=VALUE+KEY=VALUE passes options, e.g. "
+                        "stitchcuda:split_stats=1 beside stitchcuda; "
                         "eager always runs, as the baseline (default: %(default)s)")
     p.add_argument("--eval", action="store_true", help="model.eval() (default: training mode, as KernelBench)")
     p.add_argument("--trials", type=int, default=5, help="correctness input draws (default: %(default)s)")

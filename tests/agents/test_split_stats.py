@@ -1,0 +1,138 @@
+"""The split-statistics alternative for training BatchNorm over few channels: where it
+applies, that every stage is a generated kernel, and that it computes the region's
+outputs (kernel IR interpreter on CPU), inside the whole pipeline too."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.interpreter import Interpreter
+
+from stitch_backend.agents.coder import TemplateCoder
+from stitch_backend.agents.split_stats import groups_for
+from stitch_backend.agents.state import subtask_for
+from stitch_backend.backend import StitchBackend
+from stitch_backend.kernels import InterpretedRunner, runner_for
+from stitch_backend.regions import region_module
+
+
+class ConvBN(nn.Module):
+    def __init__(self, c_in=3, c=8):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class BNOnly(nn.Module):
+    def __init__(self, c=8):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn(x)) * 2.0
+
+
+def test_groups_give_every_sm_rows_of_real_length():
+    assert groups_for(64, 224 * 224, 132) == 8      # 512 rows of 6272
+    assert groups_for(8, 64 * 64, 132) == 8         # 64 rows of 512
+    assert groups_for(256, 56 * 56, 132) is None    # channels alone fill the GPU
+    assert groups_for(64, 7 * 7, 132) is None       # too short to split
+    assert groups_for(16, 3 * 1000, 132) is None or 3000 % groups_for(16, 3000, 132) == 0
+
+
+def _graph(model, x):
+    backend = StitchBackend(options={"codegen": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    (rec,) = backend.records
+    return rec
+
+
+def _values(gm):
+    """Every node's value on random placeholder values (positive variances)."""
+    gen = torch.Generator().manual_seed(0)
+    args = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = ph.meta["val"]
+        args.append(torch.rand(v.shape, generator=gen) + 0.5 if v.is_floating_point()
+                    else torch.zeros(v.shape, dtype=v.dtype))
+    env = {}
+
+    class Recorder(Interpreter):
+        def run_node(self, n):
+            env[n.name] = super().run_node(n)
+            return env[n.name]
+
+    Recorder(gm).run(*args)
+    return env
+
+
+@pytest.mark.parametrize("model,shape", [(ConvBN(), (2, 3, 64, 64)), (BNOnly(), (2, 8, 64, 64))],
+                         ids=["conv_epilogue", "fused_region"])
+def test_split_candidate_matches_the_region(model, shape):
+    rec = _graph(model.train(), torch.randn(shape))
+    env = _values(rec.gm)
+    found = 0
+    for region in rec.plan.regions:
+        if "_native_batch_norm_legit_functional" not in " ".join(region.nodes):
+            continue
+        cand = TemplateCoder(split_stats=True).propose(subtask_for(rec.gm, region, "k"))
+        (alt,) = cand.alternatives
+        kernels = [s for s in alt.stages if s.kernel is not None]
+        assert len(kernels) == 5, [s.region.nodes for s in alt.stages]
+        inputs = [env[n] for n in region.inputs]
+        want = region_module(rec.gm, region)(*inputs)
+        got = runner_for(alt, base=InterpretedRunner)(*inputs)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        found += 1
+        assert not TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    assert found == 1
+
+
+def test_wide_or_small_batchnorm_gets_no_split():
+    rec = _graph(ConvBN(c=256).train(), torch.randn(1, 3, 16, 16))
+    for region in rec.plan.regions:
+        try:
+            cand = TemplateCoder(split_stats=True).propose(subtask_for(rec.gm, region, "k"))
+        except Exception:  # noqa: BLE001 - regions without a template candidate
+            continue
+        assert not cand.alternatives
+
+
+def test_pipeline_with_split_stats_gives_eager_results():
+    torch.manual_seed(0)
+    model = ConvBN().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "split_stats": True, "cache": False})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.bn.running_var, reference.bn.running_var)
+    assert backend.records[0].plan.counts()["generated"] >= 1
+    verified = [a for t in backend.trajectories for a in t.attempts
+                if a.action == "verify" and a.candidate.name.endswith("_split")]
+    assert verified and all(a.verdict.ok for a in verified), [a.verdict for a in verified]
+
+
+@pytest.mark.nvcc
+def test_split_candidate_compiles_for_sm90a():
+    from stitch_backend.toolchain import CompileJob, compile_many, csrc_dir
+
+    rec = _graph(ConvBN().train(), torch.randn(2, 3, 64, 64))
+    region = next(r for r in rec.plan.regions if r.kind.value == "conv")
+    (alt,) = TemplateCoder(split_stats=True).propose(subtask_for(rec.gm, region, "k")).alternatives
+    (result,) = compile_many([CompileJob(source=alt.source, name=alt.name, arch="sm_90a",
+                                         include_dirs=(csrc_dir(),))])
+    assert not isinstance(result, Exception), result
+    assert result.cubin[:4] == b"\x7fELF"
