@@ -39,6 +39,7 @@ class BenchRecord:
     trials: int = 0
     median_ms: float | None = None
     call_peak_mb: float | None = None   # device memory one call needs beyond its inputs
+    io_bytes: int | None = None         # inputs + parameters/buffers + outputs, each once
     p10_ms: float | None = None
     p90_ms: float | None = None
     runs: int = 0
@@ -68,6 +69,14 @@ class BenchRecord:
     @property
     def timed(self) -> bool:
         return self.status == OK and self.median_ms is not None and self.median_ms > 0
+
+    @property
+    def gb_per_s(self) -> float | None:
+        """``io_bytes`` per median call: the least traffic a call can have, so a floor on
+        the bandwidth achieved (meaningful for memory-bound problems)."""
+        if not self.timed or not self.io_bytes:
+            return None
+        return self.io_bytes / (self.median_ms * 1e-3) / 1e9
 
 
 def _finite(x: Any) -> Any:

@@ -101,6 +101,19 @@ def render_markdown(results: Sequence[TaskResult], summaries: Sequence[BackendSu
             lines.append("| " + " | ".join([r.task, *cells]) + " |")
         lines.append("")
 
+    if any(rec.gb_per_s is not None and rec.device == "cuda"
+           for r in results for rec in r.records.values()):
+        lines += ["## Bandwidth: GB/s counting inputs, parameters and outputs once", "",
+                  "The least traffic a call can have over its median time: a floor on the "
+                  "bandwidth achieved, comparable to the copy ceiling for memory-bound "
+                  "problems (H200: about 4300 GB/s).", ""]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in results:
+            cells = [_fmt(getattr(r.records.get(b), "gb_per_s", None), ".0f") for b in backends]
+            lines.append("| " + " | ".join([r.task, *cells]) + " |")
+        lines.append("")
+
     failed: list[tuple[str, BenchRecord]] = [
         (r.task, rec) for r in results for rec in r.records.values()
         if rec.status != OK or not (rec.correct_kernelbench or rec.correct_design)]

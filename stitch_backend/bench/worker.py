@@ -292,6 +292,7 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
     first_inputs = _clone(ref0.inputs)
     fields["cold_first_call_s"], out = time_first_call(lambda: compiled.fn(*first_inputs), device)
     checks = [("first call", compare(out, ref0.eager, ref0.fp64))]
+    out_bytes = _nbytes(out)
     del out, ref0
     for t in range(cfg.trials):
         ref = refs.trial(t)
@@ -307,6 +308,8 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
     timing = time_call(lambda: compiled.fn(*timing_inputs), device, runs=cfg.runs,
                        warmup=cfg.warmup, flusher=flusher)
     fields["call_peak_mb"] = _call_peak_mb(lambda: compiled.fn(*timing_inputs), device)
+    fields["io_bytes"] = (_nbytes(timing_inputs) + out_bytes
+                          + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
     fields.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
                   runs=timing.runs, clock=timing.clock)
     records = backends_mod.backend_records(compiled, since=marker)

@@ -77,3 +77,23 @@ def test_records_roundtrip_nan_as_null_and_torn_last_line(tmp_path):
     assert [b.task for b in back] == ["A", "B"]
     assert back[0].norm_err is None and back[0].max_abs is None and back[0].median_ms == 1.5
     assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+
+
+def test_bandwidth_table_for_cuda_records():
+    from stitch_backend.bench.report import render_markdown
+
+    recs = []
+    for b, ms in (("eager", 2.0), ("x", 1.0)):
+        r = rec("copy", b, ms)
+        r.device, r.io_bytes = "cuda", 4_000_000_000   # 4 GB in and out
+        recs.append(r)
+    assert recs[1].gb_per_s == pytest.approx(4000.0)
+    results = latest_runs(recs)
+    md = render_markdown(results, summarise(results, ["eager", "x"]), ["eager", "x"], {})
+    table = md.split("## Bandwidth")[1].split("##")[0]
+    assert "| copy | 2000 | 4000 |" in table
+    for r in recs:
+        r.device = "cpu"          # CPU times are no bandwidth claim: no table
+    md = render_markdown(results, summarise(results, ["eager", "x"]), ["eager", "x"], {})
+    assert "## Bandwidth" not in md
+    assert BenchRecord.from_dict({**recs[0].__dict__, "io_bytes": None}).gb_per_s is None
