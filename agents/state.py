@@ -36,6 +36,14 @@ class Subtask:
     graph: Any = field(default=None, repr=False, compare=False)   # the whole ATen graph
     region: Any = field(default=None, repr=False, compare=False)  # ir.Region
 
+    def region_module(self) -> Any:
+        """The region as a GraphModule of its own (built on first use)."""
+        if self.module is None:
+            from stitch_backend.regions import region_module
+
+            self.module = region_module(self.graph, self.region)
+        return self.module
+
 
 @dataclass
 class Stage:
@@ -49,11 +57,10 @@ class Stage:
 
 
 def subtask_for(gm: Any, region: Any, name: str) -> Subtask:
-    """The Subtask of ``region`` of graph ``gm``; its kernels are named from ``name``."""
-    from stitch_backend.regions import region_module
-
+    """The Subtask of ``region`` of graph ``gm``; its kernels are named from ``name``
+    (``module`` is left for ``region_module()`` to build when someone needs it)."""
     return Subtask(region_id=region.id, region_name=name, kind=region.kind.value,
-                   ops=region.ops, module=region_module(gm, region), graph=gm, region=region)
+                   ops=region.ops, graph=gm, region=region)
 
 
 @dataclass

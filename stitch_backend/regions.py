@@ -35,7 +35,18 @@ def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphMod
         env[src] = graph.node_copy(src, lambda n: env[n])
     graph.output(tuple(env[nodes[name]] for name in region.outputs))
     graph.lint()
-    return torch.fx.GraphModule(root, graph, class_name=region.name)
+    return _lazy_module(root, graph, region.name)
+
+
+def _lazy_module(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:
+    """A GraphModule whose Python code is generated on its first call: the Coder builds
+    hundreds of region modules it only reads the graph of."""
+    try:
+        from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    except ImportError:  # pragma: no cover - older torch
+        return torch.fx.GraphModule(root, graph, class_name=name)
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(root, graph, class_name=name)
 
 
 def boundary(gm: torch.fx.GraphModule, names: list[str]) -> tuple[list[str], list[str]]:

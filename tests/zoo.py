@@ -157,6 +157,45 @@ class DropoutModel(nn.Module):
         return y + 0.1 * torch.rand_like(y)
 
 
+class Bottleneck(nn.Module):
+    """1x1 -> 3x3 -> 1x1 convolutions with BatchNorm, and a projected shortcut when the
+    shape changes (the block of the 50-layer residual network)."""
+
+    def __init__(self, c_in, width, stride):
+        super().__init__()
+        c_out = width * 4
+        self.body = nn.Sequential(
+            nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.short = (nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False),
+                                    nn.BatchNorm2d(c_out))
+                      if stride != 1 or c_in != c_out else nn.Identity())
+
+    def forward(self, x):
+        return F.relu(self.body(x) + self.short(x))
+
+
+class ResNet50Like(nn.Module):
+    """ResNet-50-sized (16 bottleneck blocks, about 25M parameters): the warm-start
+    budget is stated for a model of this size. Not in ``zoo()``: too big for every test."""
+
+    def __init__(self, classes=1000):
+        super().__init__()
+        layers = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                  nn.MaxPool2d(3, 2, 1)]
+        c = 64
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            for i in range(blocks):
+                layers.append(Bottleneck(c, width, stride if i == 0 else 1))
+                c = width * 4
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
+
+
 def zoo() -> dict[str, tuple[type, callable]]:
     """name -> (model class, input factory taking a batch size)."""
     return {
