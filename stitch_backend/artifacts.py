@@ -1,11 +1,13 @@
 """Compiled Programs in the artifact cache: what is stored, and the warm start.
 
 A cache entry for one graph holds its plan (with every region's verdict and reason),
-the cubin and CUDA source of every accepted kernel, and a report. On a hit, the Coder
-regenerates each kernel's source (milliseconds, no compiler), the source must hash to
-what was stored, and the stored cubin is loaded: no nvcc, no verification (the entry was
-verified end to end before it was stored). Weights are graph inputs: nothing of the
-user's data is stored.
+the cubin and CUDA source of every accepted kernel, its launches as verified (output
+layouts, grid, block: ``stitch_backend.recorded``) and stage structure, and a report. On
+a GPU hit the stored cubins load and launch from the stored layouts: no Coder, no nvcc,
+no verification (the entry was verified end to end before it was stored, and the key
+covers the code-generating sources). Entries without stored launches, and the CPU
+interpreter, have the Coder regenerate each kernel's source, which must hash to what was
+stored. Weights are graph inputs: nothing of the user's data is stored.
 
 Concurrency: a process that misses holds the entry's lock from compile until its first
 call has verified and stored the Program, so N processes compiling one graph build it
@@ -21,7 +23,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ir import Plan, RegionKind
+from . import recorded as recorded_mod
+from .ir import Plan, Region, RegionKind
 
 log = logging.getLogger("stitch_backend.artifacts")
 
@@ -120,7 +123,8 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
                         "entries": [k.entry for k in cand.kernels],
                         "source_sha256": sha256(cand.source),
                         "cubin": f"{stem}.cubin" if cand.cubin is not None else None,
-                        "source": f"{stem}.cu", "speedup": region.speedup})
+                        "source": f"{stem}.cu", "speedup": region.speedup,
+                        **_launch_records(cand)})
     manifest = {
         "graph": plan.graph_name,
         "stage": record.stage,
@@ -154,6 +158,18 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
         log.warning("cache entry %s was planned differently; rebuilding", entry.key[:12])
         return None
     coder = TemplateCoder(sm_count=sm_count, split_stats=split_stats)
+    if getattr(base, "__name__", "") != "InterpretedRunner" and manifest.get("kernels") and all(
+            k.get("format") == recorded_mod.FORMAT for k in manifest["kernels"]):
+        try:
+            runners = {k["region"]: runner_for(_recorded_candidate(entry, gm, plan, k, coder,
+                                                                   task_graph), base=base)
+                       for k in manifest["kernels"]}
+        except Exception as err:  # noqa: BLE001 - a record that does not fit: regenerate
+            log.warning("cache entry %s: stored launches unusable (%s: %s); regenerating",
+                        entry.key[:12], type(err).__name__, err)
+        else:
+            _restore_verdicts(plan, stored)
+            return WarmStart(runners=runners, manifest=manifest)
     runners: dict[int, Any] = {}
     for k in manifest.get("kernels", []):
         region = plan.regions[k["region"]]
@@ -175,10 +191,71 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
             log.warning("cache entry %s has no cubin for %s; rebuilding", entry.key[:12], k["name"])
             return None
         runners[region.id] = runner_for(cand, base=base)
+    _restore_verdicts(plan, stored)
+    return WarmStart(runners=runners, manifest=manifest)
+
+
+def _restore_verdicts(plan: Plan, stored: Plan) -> None:
     for r, s in zip(plan.regions, stored.regions):
         r.backend, r.kernel, r.speedup, r.time_ms, r.reason = (
             s.backend, s.kernel, s.speedup, s.time_ms, s.reason)
-    return WarmStart(runners=runners, manifest=manifest)
+
+
+def _launch_records(cand) -> dict:
+    """The stored launches and stage structure of a candidate (``stitch_backend.recorded``);
+    empty when some kernel has no launch recorded (then warm start regenerates)."""
+    records = [recorded_mod.kernel_record(k) for k in cand.kernels]
+    if not records or any(not r["layouts"] for r in records):
+        return {}
+    stages = None
+    if cand.stages is not None:
+        entries = [r["entry"] for r in records]
+        stages = [{"id": st.region.id, "nodes": list(st.region.nodes),
+                   "inputs": list(st.region.inputs), "outputs": list(st.region.outputs),
+                   "kernel": entries.index(st.kernel.entry) if st.kernel is not None else None}
+                  for st in cand.stages]
+    return {"format": recorded_mod.FORMAT, "records": records, "stages": stages,
+            "region_inputs": list(cand.region_inputs or []),
+            "region_outputs": list(cand.region_outputs or [])}
+
+
+def _recorded_candidate(entry, gm, plan: Plan, k: dict, coder, task_graph: str):
+    """The stored candidate of manifest record ``k``, launching from its stored layouts."""
+    from stitch_backend.agents.state import Candidate, Stage, subtask_for
+    from stitch_backend.regions import region_module
+
+    region = plan.regions[k["region"]]
+    source = entry.read(k["source"]).decode()
+    if sha256(source) != k["source_sha256"]:
+        raise ValueError(f"stored source of {k['name']} does not match its hash")
+    cubin = entry.read(k["cubin"]) if k.get("cubin") else None
+    if cubin is None:
+        raise ValueError(f"no cubin for {k['name']}")
+    regenerated: dict[str, Any] = {}
+
+    def regenerate(kernel_entry: str):
+        if not regenerated:
+            cand = coder.propose(subtask_for(gm, region, f"{task_graph}_{region.name}"))
+            for c in [cand, *cand.alternatives]:
+                if sha256(c.source) == k["source_sha256"]:
+                    regenerated.update({kk.entry: kk for kk in c.kernels})
+            if not regenerated:
+                raise ValueError(f"{k['name']}: the Coder no longer writes the stored source")
+        return regenerated[kernel_entry]
+
+    kernels = [recorded_mod.RecordedKernel(r, lambda e=r["entry"]: regenerate(e))
+               for r in k["records"]]
+    cand = Candidate(region_id=region.id, origin="template", name=k["name"], source=source,
+                     signature=kernels[0].signature, kernel=kernels[0], cubin=cubin)
+    if k["stages"] is not None:
+        cand.stages = []
+        for st in k["stages"]:
+            sub = Region(id=st["id"], kind=RegionKind.FUSED, nodes=st["nodes"], ops=[],
+                         inputs=st["inputs"], outputs=st["outputs"])
+            cand.stages.append(Stage(sub, kernel=kernels[st["kernel"]]) if st["kernel"] is not None
+                               else Stage(sub, module=region_module(gm, sub)))
+        cand.region_inputs, cand.region_outputs = k["region_inputs"], k["region_outputs"]
+    return cand
 
 
 def store_program(slot: CacheSlot, program, record, candidates: dict[int, Any]) -> None:

@@ -8,10 +8,13 @@ the input metas, the code-changing options, the GPU arch and the versions.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
-import subprocess
 import operator
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,7 +148,22 @@ def versions() -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "nvcc": nvcc,
         "stitchcuda": __version__,
+        "code": code_digest(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A hash of the sources that decide generated code (codegen, the Coder, the CUDA
+    headers): a cached kernel never outlives the code that wrote it, version bump or not."""
+    root = Path(__file__).resolve().parent
+    files = sorted([*root.glob("codegen/*.py"), root / "agents" / "coder.py",
+                    root / "agents" / "split_stats.py", *root.glob("csrc/*.cuh")])
+    digest = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,10 @@ class LaunchPlan:
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """What ``prepare`` derives from one input layout (validated once)."""
+class Layout:
+    """What ``prepare`` derives from one input layout (validated once); the same on any
+    device, so a verified kernel's layouts can be stored with it (``to_json``)."""
 
-    device: torch.device
     outputs: tuple            # (shape, stride, dtype) per output
     scratch: tuple            # (elements, dtype) per workspace; 0 elements: the ticket
     positions: tuple          # region-input position of each pointer argument
@@ -58,13 +58,65 @@ class _Layout:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
 
+    def to_json(self) -> dict:
+        return {"outputs": [[list(s), list(st), _dtype_name(dt)] for s, st, dt in self.outputs],
+                "scratch": [[n, _dtype_name(dt)] for n, dt in self.scratch],
+                "positions": list(self.positions), "tail": list(self.tail),
+                "grid": list(self.grid), "block": list(self.block)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Layout":
+        return cls(tuple((tuple(s), tuple(st), _dtype(dt)) for s, st, dt in d["outputs"]),
+                   tuple((int(n), _dtype(dt)) for n, dt in d["scratch"]),
+                   tuple(int(p) for p in d["positions"]), tuple(int(t) for t in d["tail"]),
+                   tuple(int(g) for g in d["grid"]), tuple(int(b) for b in d["block"]))
+
 
 _MAX_LAYOUTS = 64  # a symbolic kernel seen at many sizes stops memoising, still correct
 
 
-def _layout_key(inputs: Sequence) -> tuple:
-    return tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor)
-                 else ("int", int(x)) for x in inputs)
+def layout_key(inputs: Sequence) -> tuple:
+    """The memo key of an input list: each tensor's shape, strides, dtype and device."""
+    return tuple((tuple(x.shape), x.stride(), x.dtype, x.device.type)
+                 if isinstance(x, torch.Tensor) else ("int", int(x)) for x in inputs)
+
+
+def key_to_json(key: tuple) -> list:
+    return [["int", k[1]] if k[0] == "int" else [list(k[0]), list(k[1]), _dtype_name(k[2]), k[3]]
+            for k in key]
+
+
+def key_from_json(items: list) -> tuple:
+    return tuple(("int", int(k[1])) if k[0] == "int"
+                 else (tuple(k[0]), tuple(k[1]), _dtype(k[2]), k[3]) for k in items)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dt
+
+
+def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "LaunchPlan":
+    """The launch for ``inputs`` of a layout already validated: fresh outputs and
+    workspaces on the inputs' device, and the packed argument list."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cuda")
+    outputs = tuple(torch.empty_strided(shape, stride, dtype=dt, device=device)
+                    for shape, stride, dt in layout.outputs)
+    scratch = tuple(torch.empty(n, dtype=dt, device=device) if n
+                    else torch.zeros(1, dtype=torch.int32, device=device)
+                    for n, dt in layout.scratch)
+    args = [inputs[p].data_ptr() for p in layout.positions]
+    args += [o.data_ptr() for o in outputs]
+    args += [t.data_ptr() for t in scratch]
+    args += layout.tail
+    return LaunchPlan(layout.grid, layout.block, 0, tuple(args), outputs, scratch)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -129,28 +181,17 @@ class FusedKernel:
         arithmetic run once per input layout; later calls with that layout only
         allocate and pack pointers (this is on every launch's host path).
         """
-        key = _layout_key(inputs)
+        key = layout_key(inputs)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layout(inputs)
             if len(self._layouts) < _MAX_LAYOUTS:
                 self._layouts[key] = layout
-        outputs = tuple(torch.empty_strided(shape, stride, dtype=dt, device=layout.device)
-                        for shape, stride, dt in layout.outputs)
-        scratch = tuple(torch.empty(n, dtype=dt, device=layout.device) if n
-                        else torch.zeros(1, dtype=torch.int32, device=layout.device)
-                        for n, dt in layout.scratch)
-        args = [inputs[p].data_ptr() for p in layout.positions]
-        args += [o.data_ptr() for o in outputs]
-        args += [t.data_ptr() for t in scratch]
-        args += layout.tail
-        return LaunchPlan(layout.grid, layout.block, 0, tuple(args), outputs, scratch)
+        return launch_plan(layout, inputs)
 
-    def _layout(self, inputs: Sequence[torch.Tensor | int]) -> "_Layout":
+    def _layout(self, inputs: Sequence[torch.Tensor | int]) -> "Layout":
         ir = self.ir
         values = bind(ir, inputs)
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        device = tensors[0].device if tensors else torch.device("cuda")
         outputs = tuple((tuple(shape), tuple(stride), o.dtype)
                         for o, (shape, stride) in zip(ir.outputs, output_layout(ir, values)))
         rows, red = extents(ir, values)
@@ -161,8 +202,8 @@ class FusedKernel:
         tail = [values[b.symbol] for b in ir.symbols]
         if self.emitted.kind == "reduction":
             tail.append(log2_tk)
-        return _Layout(device, outputs, tuple(scratch), tuple(a.position for a in ir.inputs),
-                       tuple(tail), (blocks, 1, 1), (threads, 1, 1))
+        return Layout(outputs, tuple(scratch), tuple(a.position for a in ir.inputs),
+                      tuple(tail), (blocks, 1, 1), (threads, 1, 1))
 
     def renamed(self, name: str) -> "FusedKernel":
         """The same kernel under entry point ``name`` (the source differs only there):
@@ -203,4 +244,5 @@ def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132) -> Fus
                        signature=em.signature, sm_count=sm_count, ir=ir, emitted=em)
 
 
-__all__ = ["FusedKernel", "LaunchPlan", "Unsupported", "generate"]
+__all__ = ["FusedKernel", "LaunchPlan", "Layout", "Unsupported", "generate", "key_from_json",
+           "key_to_json", "launch_plan", "layout_key"]
