@@ -41,16 +41,34 @@ class VerifySettings:
     graph_timing: bool = False
 
 
-def fresh_draw(inputs: Sequence[Any], generator: torch.Generator, scale: float = 1.0,
-               negative: bool = False) -> list[Any]:
+class DeviceGenerators:
+    """One generator per device, all seeded alike: fresh draws are made where the inputs
+    live (drawing a GB-sized activation on the CPU and copying it over took seconds per
+    region). Separate generators: the user's random state is never touched."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._gens: dict[str, torch.Generator] = {}
+
+    def __call__(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._gens:
+            self._gens[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._gens[key]
+
+
+def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerators,
+               scale: float = 1.0, negative: bool = False) -> list[Any]:
     """Inputs of the same metas: floats redrawn around the real values' mean and spread
     (times ``scale``; all negative with ``negative``), integers and bools shuffled (so
-    indices stay valid), scalars kept."""
+    indices stay valid), scalars kept. ``generator``: one generator (its device draws),
+    or ``DeviceGenerators`` (each input drawn on its own device)."""
     out: list[Any] = []
     for x in inputs:
         if not isinstance(x, torch.Tensor):
             out.append(x)
             continue
+        gen = generator(x.device) if isinstance(generator, DeviceGenerators) else generator
         if x.is_floating_point() and x.numel() > 0:
             flat = x.detach().float()
             mean = float(flat.mean()) if x.numel() else 0.0
@@ -59,7 +77,7 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator, scale: float =
                 std = 1.0
             if not math.isfinite(mean):
                 mean = 0.0
-            noise = torch.randn(x.shape, generator=generator, device="cpu").to(x.device)
+            noise = torch.randn(x.shape, generator=gen, device=gen.device).to(x.device)
             y = (noise * std * scale + mean)
             if negative:
                 y = -y.abs()
@@ -67,7 +85,7 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator, scale: float =
             new.copy_(y)
             out.append(new)
         elif x.numel() > 1:
-            perm = torch.randperm(x.numel(), generator=generator).to(x.device)
+            perm = torch.randperm(x.numel(), generator=gen, device=gen.device).to(x.device)
             new = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
             new.copy_(x.reshape(-1)[perm].reshape(x.shape))
             out.append(new)
@@ -113,7 +131,7 @@ class Verifier:
         ``timed`` is what is timed (default ``candidate``): the same kernels without
         the poisoning fills, which the installed runner does not do either."""
         s = self.settings
-        gen = torch.Generator().manual_seed(seed)
+        gen = DeviceGenerators(seed)
         draws: list[list[Any]] = [list(inputs)]
         draws += [fresh_draw(inputs, gen) for _ in range(s.draws)]
         refs = [list(eager(*d)) for d in draws]

@@ -43,3 +43,17 @@ def test_without_graph_timing_events_are_used():
     x = torch.randn(4096, device="cuda")
     v = Verifier(_settings(False)).check(lambda t: [t * 2], lambda t: [t + t], [x])
     assert v.clock == "cuda-events"
+
+
+def test_fresh_draws_are_made_on_the_inputs_device():
+    from stitch_backend.agents.verifier import DeviceGenerators, fresh_draw
+
+    x = torch.randn(1 << 20, device="cuda")
+    idx = torch.arange(100, device="cuda")
+    state = torch.cuda.get_rng_state()
+    a = fresh_draw([x, idx], DeviceGenerators(7))
+    b = fresh_draw([x, idx], DeviceGenerators(7))
+    assert all(t.is_cuda for t in a)
+    assert torch.equal(a[0], b[0]) and not torch.equal(a[0], x)
+    assert torch.equal(a[1].sort().values, idx)
+    assert torch.equal(torch.cuda.get_rng_state(), state)   # the user's generator untouched
