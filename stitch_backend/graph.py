@@ -156,14 +156,27 @@ def versions() -> dict[str, str]:
 def code_digest() -> str:
     """A hash of the sources that decide generated code (codegen, the Coder, the CUDA
     headers): a cached kernel never outlives the code that wrote it, version bump or not."""
-    root = Path(__file__).resolve().parent
-    files = sorted([*root.glob("codegen/*.py"), root / "agents" / "coder.py",
-                    root / "agents" / "split_stats.py", *root.glob("csrc/*.cuh")])
     digest = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    for f in code_files():
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def code_files() -> list[Path]:
+    """The files ``code_digest`` covers, found through the import system (an editable
+    install maps ``agents/`` and ``csrc/`` from elsewhere)."""
+    import importlib.util
+
+    files: list[Path] = []
+    for name, pattern in (("stitch_backend.codegen", "*.py"), ("stitch_backend.csrc", "*.cuh")):
+        spec = importlib.util.find_spec(name)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            files += sorted(Path(folder).glob(pattern))
+    for name in ("stitch_backend.agents.coder", "stitch_backend.agents.split_stats"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            files.append(Path(spec.origin))
+    return [f for f in files if f.is_file()]
 
 
 @dataclass(frozen=True)

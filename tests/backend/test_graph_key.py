@@ -93,3 +93,11 @@ def test_canonical_graph_names_symbols_by_position():
     text = canonical_graph(a)
     assert text == canonical_graph(b)
     assert "s0" in text
+
+
+def test_key_covers_the_code_generating_sources():
+    from stitch_backend.graph import code_digest, code_files, versions
+
+    names = {f.name for f in code_files()}
+    assert {"lower.py", "emit_cuda.py", "coder.py", "split_stats.py", "fused_ops.cuh"} <= names
+    assert versions()["code"] == code_digest() and len(code_digest()) == 16
