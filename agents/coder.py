@@ -86,8 +86,6 @@ class TemplateCoder:
     def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region) -> Candidate | None:
         """The split-statistics alternative of a region whose (epilogue) part is a
         training BatchNorm over few channels; None when it does not apply or generate."""
-        from stitch_backend.regions import boundary
-
         from .split_stats import split_batchnorm
 
         split = split_batchnorm(region_module(subtask.graph, part), self.sm_count)
@@ -97,9 +95,7 @@ class TemplateCoder:
         stages = list(lead)
         name = f"{subtask.region_name}_split"
         for i, names in enumerate(split.stages):
-            inputs, outputs = boundary(new, names)
-            sub = Region(id=subtask.region_id * 1000 + 500 + i, kind=RegionKind.FUSED,
-                         nodes=list(names), ops=[], inputs=inputs, outputs=outputs)
+            sub = sub_region(new, names, subtask.region_id, 500 + i)
             try:
                 kernel = self._generate(region_module(new, sub), f"{name}{i}")
             except Unsupported as err:
@@ -159,7 +155,8 @@ class TemplateCoder:
                 aten_run = []
             cut, sub, kernel = found
             sub.id = subtask.region_id * 1000 + len(stages)
-            kernel = self._renamed(gm, sub, kernel, f"{subtask.region_name}_s{len(stages)}")
+            # named for its final stage position (names must be unique)
+            kernel = kernel.renamed(f"{subtask.region_name}_s{len(stages)}")
             stages.append(Stage(sub, kernel=kernel))
             i = cut
         if aten_run:
@@ -167,10 +164,6 @@ class TemplateCoder:
         if not any(s.kernel is not None for s in stages):
             raise NoCandidate(f"no template for this {what}: {first_error}")
         return stages
-
-    def _renamed(self, gm, sub: Region, kernel, name: str):
-        """The kernel named for its final stage position (names must be unique)."""
-        return kernel.renamed(name)
 
     def _generate(self, module, name: str):
         """``generate(module, name)``, once per region structure (Unsupported too)."""

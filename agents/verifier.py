@@ -192,7 +192,9 @@ class Verifier:
         if self.settings.graph_timing:
             graphs = []
             try:
-                graphs = [_capture(candidate, inputs), _capture(eager, inputs)]
+                from stitch_backend.cudagraphs import capture
+
+                graphs = [capture(lambda f=f: f(*inputs))[0] for f in (candidate, eager)]
                 return (self.time(graphs[0].replay, ()), self.time(graphs[1].replay, ()),
                         "cuda-graph")
             except Exception as err:  # noqa: BLE001 - some regions cannot be captured
@@ -223,22 +225,6 @@ class Verifier:
             end.synchronize()
             times.append(start.elapsed_time(end))
         return statistics.median(times)
-
-
-def _capture(fn: Fn, inputs: Sequence[Any]) -> "torch.cuda.CUDAGraph":
-    """``fn(*inputs)`` captured into a CUDA graph (warmed up on a side stream first, as
-    capture requires); its outputs live in the graph's private pool."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    from stitch_backend.cudagraphs import rng_restored_on_failure
-
-    graph = torch.cuda.CUDAGraph()
-    with rng_restored_on_failure(), torch.cuda.graph(graph):
-        fn(*inputs)
-    return graph
 
 
 def _on_cuda(inputs: Sequence[Any]) -> bool:

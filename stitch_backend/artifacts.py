@@ -143,7 +143,6 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
     """Rebuild the kernels of a cached entry for ``plan``; None (with a warning) when the
     entry does not fit this graph, so the caller compiles afresh."""
     from stitch_backend.agents.coder import TemplateCoder
-    from stitch_backend.agents.state import subtask_for
     from stitch_backend.kernels import runner_for
 
 
@@ -158,7 +157,8 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
         log.warning("cache entry %s was planned differently; rebuilding", entry.key[:12])
         return None
     coder = TemplateCoder(sm_count=sm_count, split_stats=split_stats)
-    if getattr(base, "__name__", "") != "InterpretedRunner" and manifest.get("kernels") and all(
+    interpreted = getattr(base, "__name__", "") == "InterpretedRunner"
+    if not interpreted and manifest.get("kernels") and all(
             k.get("format") == recorded_mod.FORMAT for k in manifest["kernels"]):
         try:
             runners = {k["region"]: runner_for(_recorded_candidate(entry, gm, plan, k, coder,
@@ -174,20 +174,18 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
     for k in manifest.get("kernels", []):
         region = plan.regions[k["region"]]
         try:
-            cand = coder.propose(subtask_for(gm, region, f"{task_graph}_{region.name}"))
+            cand = _regenerated(coder, gm, region, task_graph, k["source_sha256"])
         except Exception as err:  # noqa: BLE001
             log.warning("cache entry %s: cannot regenerate %s (%s); rebuilding",
                         entry.key[:12], k["name"], err)
             return None
-        cand = next((c for c in [cand, *cand.alternatives]
-                     if sha256(c.source) == k["source_sha256"]), None)
         if cand is None:
             log.warning("cache entry %s: kernel %s source changed; rebuilding",
                         entry.key[:12], k["name"])
             return None
         if k.get("cubin"):
             cand.cubin = entry.read(k["cubin"])
-        elif getattr(base, "__name__", "") != "InterpretedRunner":
+        elif not interpreted:
             log.warning("cache entry %s has no cubin for %s; rebuilding", entry.key[:12], k["name"])
             return None
         runners[region.id] = runner_for(cand, base=base)
@@ -219,9 +217,19 @@ def _launch_records(cand) -> dict:
             "region_outputs": list(cand.region_outputs or [])}
 
 
+def _regenerated(coder, gm, region: Region, task_graph: str, sha: str):
+    """The Coder's candidate for ``region`` (or one of its alternatives) whose source
+    hashes to ``sha``: what was stored, written again; None when the Coder writes
+    something else now."""
+    from stitch_backend.agents.state import subtask_for
+
+    cand = coder.propose(subtask_for(gm, region, f"{task_graph}_{region.name}"))
+    return next((c for c in [cand, *cand.alternatives] if sha256(c.source) == sha), None)
+
+
 def _recorded_candidate(entry, gm, plan: Plan, k: dict, coder, task_graph: str):
     """The stored candidate of manifest record ``k``, launching from its stored layouts."""
-    from stitch_backend.agents.state import Candidate, Stage, subtask_for
+    from stitch_backend.agents.state import Candidate, Stage
     from stitch_backend.regions import region_module
 
     region = plan.regions[k["region"]]
@@ -235,12 +243,10 @@ def _recorded_candidate(entry, gm, plan: Plan, k: dict, coder, task_graph: str):
 
     def regenerate(kernel_entry: str):
         if not regenerated:
-            cand = coder.propose(subtask_for(gm, region, f"{task_graph}_{region.name}"))
-            for c in [cand, *cand.alternatives]:
-                if sha256(c.source) == k["source_sha256"]:
-                    regenerated.update({kk.entry: kk for kk in c.kernels})
-            if not regenerated:
+            cand = _regenerated(coder, gm, region, task_graph, k["source_sha256"])
+            if cand is None:
                 raise ValueError(f"{k['name']}: the Coder no longer writes the stored source")
+            regenerated.update({kk.entry: kk for kk in cand.kernels})
         return regenerated[kernel_entry]
 
     kernels = [recorded_mod.RecordedKernel(r, lambda e=r["entry"]: regenerate(e))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -52,6 +52,21 @@ def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, devic
         if x.device.type != "cuda":
             return f"an input lives on {x.device.type}"
     return None
+
+
+def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``fn()`` captured into a CUDA graph: (the graph, the outputs of the captured call,
+    which live in the graph's private pool). ``fn`` runs once on a side stream first, as
+    capture requires; a failed capture leaves the CUDA generators as they were."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with rng_restored_on_failure(), torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
 
 
 @contextlib.contextmanager
@@ -145,15 +160,8 @@ class GraphReplay:
                                                       device=x.device).copy_(x)
                                   for i, x in enumerate(inputs)]
             self.captured_ptrs = [x.data_ptr() for x in inputs]
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.program.run_inputs(self.static_inputs)  # warm-up on the side stream
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with rng_restored_on_failure(), torch.cuda.graph(graph):
-                self.static_outputs = self.program.run_inputs(self.static_inputs)
-            self.graph = graph
+            self.graph, self.static_outputs = capture(
+                lambda: self.program.run_inputs(self.static_inputs))
             self.captures += 1
         except Exception as err:  # noqa: BLE001 - capture failure: run uncaptured, say why
             self.graph = None

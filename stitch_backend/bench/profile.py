@@ -16,7 +16,7 @@ import torch
 
 from . import backends as backends_mod
 from .problems import load_problem
-from .worker import TaskConfig, build_model
+from .worker import TaskConfig, build_model, draw_inputs
 
 
 def profile_backend(name: str, problem, cfg: TaskConfig, top: int) -> str:
@@ -28,8 +28,7 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int) -> str:
     device = torch.device("cuda")
     model = build_model(problem, cfg, device)
     compiled = backends_mod.wrap(name, model)
-    torch.manual_seed(cfg.seed)
-    inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.make_inputs()]
+    inputs = draw_inputs(problem, cfg.seed, device)
     with torch.no_grad():
         for _ in range(3):
             compiled.fn(*inputs)

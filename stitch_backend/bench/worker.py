@@ -124,6 +124,17 @@ def _fingerprint(x: Any) -> list[torch.Tensor]:
     return out
 
 
+def draw_inputs(problem: Problem, seed: int, device: torch.device) -> list[Any]:
+    """The problem's inputs under ``seed``, drawn on ``device`` itself (a problem's
+    ``torch.rand`` lands there directly: KernelBench's level-1 inputs are GBs, which the
+    CPU takes seconds to draw, every trial); anything made elsewhere is moved."""
+    torch.manual_seed(seed)
+    if device.type == "cpu":
+        return _to_device(problem.make_inputs(), device)
+    with torch.device(device):
+        return _to_device(problem.make_inputs(), device)
+
+
 class References:
     """Eager and fp64 outputs per input trial, computed once and kept while they fit in
     ``cache_bytes`` (else recomputed on demand, from the same seeds)."""
@@ -151,14 +162,7 @@ class References:
         self.eager_output_varies: bool | None = None
 
     def inputs(self, t: int) -> list[Any]:
-        """Trial ``t``'s inputs, drawn on the device itself (a problem's ``torch.rand``
-        lands there directly: KernelBench's level-1 inputs are GBs, which the CPU takes
-        seconds to draw, every trial); anything made elsewhere is moved."""
-        torch.manual_seed(self.trial_seeds[t])
-        if self.device.type == "cpu":
-            return _to_device(self.problem.make_inputs(), self.device)
-        with torch.device(self.device):
-            return _to_device(self.problem.make_inputs(), self.device)
+        return draw_inputs(self.problem, self.trial_seeds[t], self.device)
 
     def trial(self, t: int) -> TrialRef:
         if t in self._cache:
