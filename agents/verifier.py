@@ -194,7 +194,8 @@ class Verifier:
             try:
                 from stitch_backend.cudagraphs import capture
 
-                graphs = [capture(lambda f=f: f(*inputs))[0] for f in (candidate, eager)]
+                for f in (candidate, eager):  # appended one by one: all are reset below
+                    graphs.append(capture(lambda f=f: f(*inputs))[0])
                 return (self.time(graphs[0].replay, ()), self.time(graphs[1].replay, ()),
                         "cuda-graph")
             except Exception as err:  # noqa: BLE001 - some regions cannot be captured
