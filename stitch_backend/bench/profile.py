@@ -1,6 +1,7 @@
 """Where one call's GPU time goes: the top CUDA kernels of a problem under each backend.
 
     python -m stitch_backend.bench.profile PROBLEM [--backends eager,stitchcuda] [--top 12]
+                                           [--report]
 
 PROBLEM is a KernelBench-format file or ``package.module:factory``. Each backend gets a
 fresh model (same seed), three warm calls under ``no_grad`` in the bench's mode, then one
@@ -19,14 +20,19 @@ from .problems import load_problem
 from .worker import TaskConfig, build_model, draw_inputs
 
 
-def profile_backend(name: str, problem, cfg: TaskConfig, top: int) -> str:
-    """The kernel table of one profiled call of ``problem`` under backend ``name``."""
+def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool = False) -> str:
+    """The kernel table of one profiled call of ``problem`` under backend ``name``; with
+    ``report``, then the stitchcuda report of the graphs that call compiled."""
     import torch._dynamo
+
+    from ..backend import compiled_graphs
+    from ..report import render_text
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
     device = torch.device("cuda")
     model = build_model(problem, cfg, device)
+    before = len(compiled_graphs())
     compiled = backends_mod.wrap(name, model)
     inputs = draw_inputs(problem, cfg.seed, device)
     with torch.no_grad():
@@ -45,6 +51,9 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int) -> str:
     for e in events[:top]:
         lines.append(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "
                      f"{e.self_device_time_total / max(total, 1):.0%} |")
+    records = compiled_graphs()[before:]
+    if report and records:
+        lines += ["", "```", render_text(records), "```"]
     return "\n".join(lines)
 
 
@@ -55,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="eager,stitchcuda")
     p.add_argument("--mode", choices=["train", "eval"], default="train")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--report", action="store_true",
+                   help="after each stitchcuda table, its report: regions, kernels, fallbacks")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile: needs a CUDA device", file=sys.stderr)
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TaskConfig(spec=args.problem, name=problem.name, backends=[], device="cuda",
                      mode=args.mode)
     for name in backends_mod.validate_backends(args.backends.split(",")):
-        print(profile_backend(name, problem, cfg, args.top), flush=True)
+        print(profile_backend(name, problem, cfg, args.top, args.report), flush=True)
         print()
     return 0
 
