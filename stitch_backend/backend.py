@@ -26,6 +26,7 @@ from .decompositions import decomposition_table
 from .exc import InvalidOptionError
 from .graph import GraphKey, graph_key
 from .ir import Plan, RegionKind
+from .mutations import Writeback, strip_input_mutations
 from .program import Program
 
 log = logging.getLogger("stitch_backend.backend")
@@ -102,12 +103,17 @@ class StitchBackend:
             bw_compiler=compile_stage(self._compile, "backward"),
             inference_compiler=compile_stage(self._compile, "inference"),
             decompositions=decomposition_table(),
+            # Input mutations (BatchNorm's running statistics) stay in the graph, so the
+            # Program writes them back itself: one launch, inside the CUDA graph when
+            # replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
+            keep_inference_input_mutations=True,
         )
         return aot(gm, example_inputs)
 
     def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         try:
-            return self._compile_graph(stage, gm, example_inputs)
+            functional, writebacks = strip_input_mutations(gm)
+            return self._compile_graph(stage, functional, example_inputs, writebacks)
         except Exception as err:  # noqa: BLE001 - a backend bug must not break the model
             if isinstance(err, InvalidOptionError):
                 raise
@@ -117,10 +123,10 @@ class StitchBackend:
             self.failures.append(f"{stage} graph: {type(err).__name__}: {err}")
             from torch._functorch.aot_autograd import make_boxed_func
 
-            return make_boxed_func(gm)
+            return make_boxed_func(gm)  # as traced: its in-graph mutations included
 
-    def _compile_graph(self, stage: str, gm: torch.fx.GraphModule,
-                       example_inputs: list[Any]) -> Program:
+    def _compile_graph(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                       writebacks: list[Writeback] | None = None) -> Program:
         from stitch_backend.agents.planner import partition
 
         t0 = time.perf_counter()
@@ -163,6 +169,10 @@ class StitchBackend:
                                   graph_timing=replay_why is None)
         program.notes_sink = record.notes
         program.recheck_shapes = dynamic
+        program.writebacks = list(writebacks or [])
+        if writebacks:
+            notes.append(f"{len(writebacks)} mutated input(s) (e.g. BatchNorm running "
+                         "statistics) written back once per call, in one launch")
         if device == "cuda":
             self._plan_replay(program, replay_why, record)
         record.compile_ms = (time.perf_counter() - t0) * 1e3

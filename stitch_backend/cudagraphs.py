@@ -10,6 +10,12 @@ Inputs: parameters and buffers (AOTAutograd's static inputs) are read in place; 
 moves, the graph is captured again. Other inputs are copied into buffers the graph owns
 when they are not already those buffers. Outputs: each replay's outputs are cloned
 before they are handed over, so a later call never overwrites what the user holds.
+Mutated parameters and buffers (BatchNorm's running statistics) are written inside the
+graph; other mutated inputs after it.
+
+Those copies make a replay slower than an uncaptured run for a few kernels over large
+tensors; the first replay is therefore timed against an uncaptured run, and replay stays
+on only where it is not slower.
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
+from .mutations import split_outputs, write_back
 from .opclass import OpClass, classify
 
 log = logging.getLogger("stitch_backend.cudagraphs")
+
+# Replay is turned off when running uncaptured takes less than this share of its time.
+REPLAY_MARGIN = 0.9
 
 
 def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, device: str,
@@ -133,18 +143,80 @@ class GraphReplay:
             raise NotCaptured("warm-up")
         if self.graph is None or self._params_moved(inputs):
             self._capture(inputs)
+        if not self.checked:
+            self.checked = True
+            return self._first_replay(inputs)
+        return self._replay(inputs)
+
+    def _replay(self, inputs: list[torch.Tensor]) -> Any:
+        """One replay: inputs copied in (where they are not the graph's own), the graph,
+        the mutations of non-static inputs written back, the outputs cloned."""
         for i, x in enumerate(inputs):
             if i not in self.static_indices and x.data_ptr() != self.static_inputs[i].data_ptr():
                 self.static_inputs[i].copy_(x)
         self.graph.replay()
-        outputs = _clone(self.static_outputs)
-        if not self.checked:
-            self.checked = True
-            expected = self.program.run_inputs(inputs)
-            if not _identical(outputs, expected):
-                self.disable("the first replay differed from the uncaptured run")
-                return expected
+        own, values = split_outputs(self.static_outputs, self.program.writebacks)
+        outside = [(inputs[w.input_index], v) for w, v in zip(self.program.writebacks, values)
+                   if w.input_index not in self.static_indices]
+        write_back([t for t, _ in outside], [v for _, v in outside])
+        return _clone(own)
+
+    def _captured_run(self) -> Any:
+        """What is captured: the Program on the static inputs, then the new values of
+        mutated parameters and buffers written into them (only while capturing: the
+        capture's uncaptured first run must not mutate anything)."""
+        outputs = self.program.run_inputs(self.static_inputs)
+        if self.program.writebacks and torch.cuda.is_current_stream_capturing():
+            _, values = split_outputs(outputs, self.program.writebacks)
+            inside = [(self.static_inputs[w.input_index], v)
+                      for w, v in zip(self.program.writebacks, values)
+                      if w.input_index in self.static_indices]
+            write_back([t for t, _ in inside], [v for _, v in inside])
         return outputs
+
+    def _first_replay(self, inputs: list[torch.Tensor]) -> Any:
+        """The first replay, compared bit for bit with an uncaptured run on the inputs it
+        saw (mutated inputs as they were before it), then timed against running
+        uncaptured: replay stays on only where it is not slower."""
+        writebacks = self.program.writebacks
+        targets = [inputs[w.input_index] for w in writebacks]
+        before = [t.clone() for t in targets]
+        outputs = self._replay(inputs)
+        check_inputs = list(inputs)
+        for w, old in zip(writebacks, before):
+            check_inputs[w.input_index] = old
+        expected, values = split_outputs(self.program.run_inputs(check_inputs), writebacks)
+        del check_inputs, before
+        if not (_identical(outputs, expected) and _identical(list(targets), values)):
+            write_back(targets, values)
+            self.disable("the first replay differed from the uncaptured run")
+            return expected
+        why = self._slower_than_uncaptured(inputs, targets)
+        if why:
+            self.disable(why)
+        return outputs
+
+    def _slower_than_uncaptured(self, inputs: list[torch.Tensor],
+                                targets: list[torch.Tensor]) -> str | None:
+        """Why replaying is the slower way to run this Program, if it is: a replay also
+        copies the inputs in and the outputs out, which for a few kernels over large
+        tensors costs more than the launches it saves. Timed here, on the user's inputs;
+        the timing runs' mutations are undone."""
+        saved = [t.clone() for t in targets]
+        try:
+            replay_ms = wall_ms(lambda: self._replay(inputs))
+            plain_ms = wall_ms(lambda: self.program.finish_call(
+                self.program.run_inputs(inputs), targets))
+        finally:
+            write_back(targets, saved)
+        self.program.notes_sink.append(
+            f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms uncaptured (wall clock, "
+            "median of 5, on the first replay)")
+        if plain_ms < REPLAY_MARGIN * replay_ms:
+            return (f"slower than running uncaptured ({replay_ms:.3f} ms vs {plain_ms:.3f} ms "
+                    "a call): copying inputs in and outputs out costs more than the launches "
+                    "it saves")
+        return None
 
     def _params_moved(self, inputs: list[torch.Tensor]) -> bool:
         return any(inputs[i].data_ptr() != self.captured_ptrs[i] for i in self.static_indices)
@@ -160,8 +232,7 @@ class GraphReplay:
                                                       device=x.device).copy_(x)
                                   for i, x in enumerate(inputs)]
             self.captured_ptrs = [x.data_ptr() for x in inputs]
-            self.graph, self.static_outputs = capture(
-                lambda: self.program.run_inputs(self.static_inputs))
+            self.graph, self.static_outputs = capture(self._captured_run)
             self.captures += 1
         except Exception as err:  # noqa: BLE001 - capture failure: run uncaptured, say why
             self.graph = None
@@ -176,6 +247,23 @@ class GraphReplay:
         log.warning("stitchcuda: CUDA graph replay off for %s: %s",
                     self.program.plan.graph_name, why)
         self.program.notes_sink.append(f"CUDA graph replay off: {why}")
+
+
+def wall_ms(fn: Callable[[], Any], runs: int = 5) -> float:
+    """Median wall-clock milliseconds of ``fn()`` from the host's call to the GPU's finish
+    (launch cost included, which is what replay saves), after one untimed run."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 class NotCaptured(Exception):

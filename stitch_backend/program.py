@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from .ir import Plan, Region
+from .mutations import Writeback, split_outputs, write_back
 from .regions import region_module
 
 log = logging.getLogger("stitch_backend.program")
@@ -55,6 +56,9 @@ class Program:
         self.recheck_shapes = False
         self.verified_shapes: set[tuple] = set()
         self.notes_sink: list[str] = []  # the GraphRecord's notes, for late events
+        # Input mutations taken out of the graph (mutations.py): the graph returns the new
+        # values after its own outputs and each call writes them back.
+        self.writebacks: list[Writeback] = []
         self.calls = 0
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
@@ -106,23 +110,33 @@ class Program:
             call_args[0].clear()
         else:
             inputs = list(call_args)
+        targets = [inputs[w.input_index] for w in self.writebacks]
         if self.pending and self._verify is not None:
-            return self._verify_or_aten(inputs)
+            return self.finish_call(self._verify_or_aten(inputs), targets)
         if self.recheck_shapes and self._verify is not None:
             key = _shape_key(inputs)
             if key not in self.verified_shapes:
-                return self._reverify(inputs, key)
+                return self.finish_call(self._reverify(inputs, key), targets)
         if self.replay is not None:
             from .cudagraphs import NotCaptured
 
             try:
-                return self.replay(inputs)
+                return self.replay(inputs)  # writes back the mutations itself
             except NotCaptured:
                 pass
         slots: list[Any] = [None] * self.num_slots
         slots[: self.num_inputs] = inputs
         inputs.clear()
-        return self.run(slots)
+        return self.finish_call(self.run(slots), targets)
+
+    def finish_call(self, outputs: Any, targets: Sequence[torch.Tensor]) -> Any:
+        """The graph's own outputs of a run's ``outputs``, after the new values of mutated
+        inputs were written into ``targets`` (the call's inputs they belong to)."""
+        if not self.writebacks:
+            return outputs
+        own, values = split_outputs(outputs, self.writebacks)
+        write_back(targets, values)
+        return own
 
     def _reverify(self, inputs: list[Any], key: tuple) -> Any:
         """A symbolic-shape Program meets a new shape: its installed kernels were verified

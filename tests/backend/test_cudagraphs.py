@@ -37,3 +37,25 @@ def test_identical_is_bitwise_and_nan_aware():
     assert _identical((a, [a]), (a.clone(), [a.clone()]))
     assert not _identical(a, a + 1e-6 * torch.tensor([0.0, 0.0, 1.0]))
     assert not _identical(a, a.double())
+
+
+def test_replay_stays_on_unless_running_uncaptured_is_clearly_faster(monkeypatch):
+    """The first replay's timing decides (wall clock per call, copies included)."""
+    from stitch_backend import cudagraphs
+
+    class _Program:
+        writebacks: list = []
+
+        def __init__(self):
+            self.notes_sink: list[str] = []
+
+    for replay_ms, plain_ms, off in [(9.0, 3.0, True), (1.0, 0.95, False), (1.0, 2.0, False)]:
+        times = iter([replay_ms, plain_ms])
+        monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: next(times))
+        program = _Program()
+        why = cudagraphs.GraphReplay(program, set())._slower_than_uncaptured([], [])
+        assert (why is not None) == off, (replay_ms, plain_ms, why)
+        assert program.notes_sink == [f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms "
+                                      "uncaptured (wall clock, median of 5, on the first replay)"]
+        if off:
+            assert why.startswith("slower than running uncaptured (9.000 ms vs 3.000 ms")

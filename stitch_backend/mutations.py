@@ -1,0 +1,122 @@
+"""Input mutations of inference graphs (BatchNorm's running statistics, counters).
+
+The backend asks AOTAutograd to keep an inference graph's input mutations in the graph
+(``keep_inference_input_mutations``), as Inductor does: the graph then ends in
+``copy_(placeholder, new_value)`` nodes instead of returning the new values for a Python
+epilogue to copy, one ``copy_`` call per buffer per step (60 for a ResNet18 in training
+mode). Here those nodes are taken out again: the Program runs the functional graph, which
+also returns the new values, and writes them back once per call, in one fused
+``_foreach_copy_`` launch (inside the CUDA graph when the Program is replayed). Every
+extra run the backend makes (verification, warm-up, the replay check, timing) stays
+free of side effects that way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+COPY_ = torch.ops.aten.copy_.default
+
+
+class UnsupportedMutation(ValueError):
+    """An in-graph mutation this module does not take apart (the graph then runs on ATen
+    as traced, which applies it)."""
+
+
+@dataclass(frozen=True)
+class Writeback:
+    """After a call, graph input ``input_index`` takes the value of flat output
+    ``output_index``."""
+
+    input_index: int
+    output_index: int
+
+
+def strip_input_mutations(gm: torch.fx.GraphModule
+                          ) -> tuple[torch.fx.GraphModule, list[Writeback]]:
+    """``gm`` without its trailing ``copy_(input, value)`` nodes: a copy whose graph returns
+    the values after its own outputs, and the writebacks that put them in place (an output
+    that was a copy's result, or the input it overwrote, becomes the value copied). ``gm`` itself is not changed; a
+    graph without mutations comes back as it is.
+
+    Raises UnsupportedMutation for any other mutation (a copy into something that is not
+    an input, an input read after it was overwritten, another mutable op)."""
+    copies = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is COPY_]
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is not COPY_
+                and isinstance(node.target, torch._ops.OpOverload)
+                and node.target._schema.is_mutable):
+            raise UnsupportedMutation(f"in-graph mutation by {node.target}")
+    if not copies:
+        return gm, []
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in copies:
+        dst = node.args[0]
+        if not (isinstance(dst, torch.fx.Node) and dst.op == "placeholder"):
+            raise UnsupportedMutation(f"{node.name} copies into {dst}, not into a graph input")
+        if any(u.op != "output" for u in node.users):
+            raise UnsupportedMutation(f"the result of {node.name} is used")
+        late = [u for u in dst.users
+                if u is not node and u.op != "output" and order[u] > order[node]]
+        if late:
+            raise UnsupportedMutation(f"input {dst.name} is read by {late[0].name} after "
+                                      f"{node.name} overwrote it")
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    values: list[tuple[int, torch.fx.Node]] = []
+    after: dict[torch.fx.Node, torch.fx.Node] = {}   # an input -> its new value
+    out_node = None
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            out_node = node
+            continue
+        if node.op == "call_function" and node.target is COPY_:
+            values.append((placeholders.index(node.args[0]), env[node.args[1]]))
+            # Returned too (copy_ returns its input): AOTAutograd hands the user the input
+            # itself for such an output; the new value stands in for it here.
+            env[node] = after[node.args[0]] = env[node.args[1]]
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    assert out_node is not None
+    outputs = torch.fx.node.map_arg(out_node.args[0], lambda n: after.get(n, env[n]))
+    if not isinstance(outputs, (tuple, list)):
+        raise UnsupportedMutation("the graph's outputs are not a tuple")
+    user = list(outputs)
+    writebacks = [Writeback(i, len(user) + k) for k, (i, _) in enumerate(values)]
+    graph.output(tuple(user + [v for _, v in values]))
+    new = torch.fx.GraphModule(gm, graph)
+    new.meta.update(gm.meta)
+    return new, writebacks
+
+
+def write_back(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """``t.copy_(v)`` for each pair, in order, as one ``_foreach_copy_`` launch where the
+    shapes, dtypes and devices allow and no value shares memory with a target (one by one,
+    exactly as the graph's copies ran, otherwise)."""
+    if not targets:
+        return
+    same = all(isinstance(v, torch.Tensor) and t.shape == v.shape and t.dtype == v.dtype
+               and t.device == v.device for t, v in zip(targets, values))
+    if same:
+        written = {t.untyped_storage().data_ptr() for t in targets}
+        same = not any(v.untyped_storage().data_ptr() in written for v in values)
+    if same and len({t.device for t in targets}) == 1 and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(list(targets), list(values))
+        return
+    for t, v in zip(targets, values):
+        t.copy_(v)
+
+
+def split_outputs(outputs: Any, writebacks: Sequence[Writeback]) -> tuple[Any, list[Any]]:
+    """(the graph's own outputs, the written-back values) of a stripped graph's outputs."""
+    if not writebacks:
+        return outputs, []
+    first = writebacks[0].output_index
+    own = outputs[:first]
+    return (tuple(own) if isinstance(outputs, tuple) else list(own)), \
+        [outputs[w.output_index] for w in writebacks]
