@@ -82,7 +82,8 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         else:
             assert own is not None
             if others:
-                own.reason += f"; {len(others)} LLM candidate(s) rejected too ({others[0]})"
+                own.reason += (f"; {len(others)} alternative candidate(s) rejected too "
+                               f"({others[0]})")
             verdicts[step.region.id] = own
 
     before = _RngState()

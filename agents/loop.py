@@ -36,6 +36,7 @@ class Implementation:
     # Untrusted (LLM) candidates per region, also on ``candidates[rid].alternatives``.
     extra_candidates: dict[int, list[Candidate]] = field(default_factory=dict)
     llm_s: float = 0.0
+    notes: list[str] = field(default_factory=list)   # for the graph's report
 
 
 def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
@@ -83,16 +84,18 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             for c in proposals + alternatives]
     results = compile_many(jobs, max_workers=workers or None) if jobs else []
     results, alt_results = results[:len(proposals)], results[len(proposals):]
+    notes = []
     for alt, result in zip(alternatives, alt_results):
         if isinstance(result, CompileError):  # the template's own candidate still races
-            log.warning("alternative %s does not compile: %s", alt.name,
-                        str(result).splitlines()[0])
+            notes.append(f"alternative {alt.name} does not compile "
+                         f"({str(result).splitlines()[0]}); its region's template races alone")
+            log.warning("%s", notes[-1])
             alt.compile_error = str(result)
         else:
             alt.cubin, alt.compile_s = result.cubin, result.seconds
     for cand in proposals:
         cand.alternatives = [a for a in cand.alternatives if a.compile_error is None]
-    out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0)
+    out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0, notes=notes)
     by_id = {r.id: r for r in plan.regions}
     for cand, result in zip(proposals, results):
         if isinstance(result, CompileError):

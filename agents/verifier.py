@@ -202,9 +202,12 @@ class Verifier:
                 log.debug("graph timing unavailable (%s: %s); timing with events",
                           type(err).__name__, err)
                 torch.cuda.synchronize()
+                why = str(err).splitlines()[0][:100] if str(err) else ""
+                clock = f"cuda-events: graph timing failed, {type(err).__name__} {why}".rstrip()
             finally:
                 for g in graphs:
                     g.reset()
+            return self.time(candidate, inputs), self.time(eager, inputs), clock
         return self.time(candidate, inputs), self.time(eager, inputs), "cuda-events"
 
     def time(self, fn: Fn, inputs: Sequence[Any]) -> float:

@@ -139,22 +139,29 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
 
 
 def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
-               base: Any = None, split_stats: bool = False) -> WarmStart | None:
-    """Rebuild the kernels of a cached entry for ``plan``; None (with a warning) when the
-    entry does not fit this graph, so the caller compiles afresh."""
+               base: Any = None, split_stats: bool = False,
+               notes: list[str] | None = None) -> WarmStart | None:
+    """Rebuild the kernels of a cached entry for ``plan``; None when the entry does not fit
+    this graph, so the caller compiles afresh. Why it did not fit, or why the stored
+    launches were not used, is logged as a warning and appended to ``notes``."""
     from stitch_backend.agents.coder import TemplateCoder
     from stitch_backend.kernels import runner_for
 
+    notes = notes if notes is not None else []
+
+    def refuse(msg: str) -> None:
+        log.warning("%s", msg)
+        notes.append(msg)
 
     manifest = entry.manifest
     try:
         stored = Plan.from_json(manifest["plan"])
     except (KeyError, ValueError, TypeError) as err:
-        log.warning("cache entry %s has no readable plan (%s); rebuilding", entry.key[:12], err)
+        refuse(f"cache entry {entry.key[:12]} has no readable plan ({err}); rebuilding")
         return None
     shape = [(r.kind, r.ops, r.nodes) for r in plan.regions]
     if shape != [(r.kind, r.ops, r.nodes) for r in stored.regions]:
-        log.warning("cache entry %s was planned differently; rebuilding", entry.key[:12])
+        refuse(f"cache entry {entry.key[:12]} was planned differently; rebuilding")
         return None
     coder = TemplateCoder(sm_count=sm_count, split_stats=split_stats)
     interpreted = getattr(base, "__name__", "") == "InterpretedRunner"
@@ -165,8 +172,8 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
                                                                    task_graph), base=base)
                        for k in manifest["kernels"]}
         except Exception as err:  # noqa: BLE001 - a record that does not fit: regenerate
-            log.warning("cache entry %s: stored launches unusable (%s: %s); regenerating",
-                        entry.key[:12], type(err).__name__, err)
+            refuse(f"cache entry {entry.key[:12]}: stored launches unusable "
+                   f"({type(err).__name__}: {err}); regenerating its kernels")
         else:
             _restore_verdicts(plan, stored)
             return WarmStart(runners=runners, manifest=manifest)
@@ -176,17 +183,17 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
         try:
             cand = _regenerated(coder, gm, region, task_graph, k["source_sha256"])
         except Exception as err:  # noqa: BLE001
-            log.warning("cache entry %s: cannot regenerate %s (%s); rebuilding",
-                        entry.key[:12], k["name"], err)
+            refuse(f"cache entry {entry.key[:12]}: cannot regenerate {k['name']} ({err}); "
+                   "rebuilding")
             return None
         if cand is None:
-            log.warning("cache entry %s: kernel %s source changed; rebuilding",
-                        entry.key[:12], k["name"])
+            refuse(f"cache entry {entry.key[:12]}: kernel {k['name']} source changed; "
+                   "rebuilding")
             return None
         if k.get("cubin"):
             cand.cubin = entry.read(k["cubin"])
         elif not interpreted:
-            log.warning("cache entry %s has no cubin for %s; rebuilding", entry.key[:12], k["name"])
+            refuse(f"cache entry {entry.key[:12]} has no cubin for {k['name']}; rebuilding")
             return None
         runners[region.id] = runner_for(cand, base=base)
     _restore_verdicts(plan, stored)

@@ -207,7 +207,7 @@ class StitchBackend:
             if entry is not None:
                 warm = artifacts.warm_start(entry, gm, plan, task_graph=_kernel_prefix(key),
                                             sm_count=sm_count, base=base,
-                                            split_stats=self.config.split_stats)
+                                            split_stats=self.config.split_stats, notes=notes)
                 if warm is not None:
                     notes.append(f"loaded from the cache ({len(warm.runners)} kernel(s), "
                                  f"key {key.short})")
@@ -250,6 +250,7 @@ class StitchBackend:
         if not interpreted:
             notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "
                          f"{impl.compile_s:.2f} s")
+        notes.extend(impl.notes)
         make_runner = functools.partial(runner_for, base=base)
         if not self.config.verify:
             notes.append("verify=False: candidates installed UNVERIFIED (debugging only)")

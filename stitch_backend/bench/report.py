@@ -38,7 +38,13 @@ def _compile_cell(result: TaskResult, backend: str) -> str:
     if rec is None or rec.status != OK or rec.cold_first_call_s is None:
         return "—" if rec is None or rec.status == OK else rec.status
     cold = f"{rec.cold_first_call_s:.2f}"
-    return cold if rec.recompile_first_call_s is None else f"{cold} / {rec.recompile_first_call_s:.2f}"
+    if rec.recompile_first_call_s is None:
+        return cold
+    cell = f"{cold} / {rec.recompile_first_call_s:.2f}"
+    if rec.recompile_backend_s is not None:
+        cell += (f" (backend {rec.recompile_backend_s:.2f}"
+                 f"{', cache hit' if rec.recompile_cached else ''})")
+    return cell
 
 
 def _notes(result: TaskResult) -> str:
@@ -64,7 +70,9 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
         lines += ["Compile caches (Inductor, Triton, stitchcuda) are fresh per task and shared by "
                   "that task's backends, in the order listed: the first Inductor-family backend's "
                   "first call is a cold compile, later ones may reuse its kernels. `recompile` is "
-                  "the first call after torch._dynamo.reset() with those caches warm.", ""]
+                  "the first call after torch._dynamo.reset() with those caches warm; `backend` "
+                  "is the backend's own share of it where it reports one (stitchcuda: the "
+                  "warm start from its cache), the rest is Dynamo, AOTAutograd and the call.", ""]
     if meta.get("device") == "cpu":
         lines += ["Timed on CPU (time.perf_counter, few runs): these numbers test the harness, "
                   "they are not the product's claim.", ""]

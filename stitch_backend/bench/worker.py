@@ -322,12 +322,24 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
         # Dynamo forgets everything; Inductor's/stitchcuda's own caches stay warm.
         torch._dynamo.reset()
         again = backends_mod.wrap(name, model)
+        again_marker = backends_mod.graph_count_marker(again)
         torch.manual_seed(refs.trial_seeds[0])
         fields["recompile_first_call_s"], _ = time_first_call(lambda: again.fn(*_clone(timing_inputs)), device)
+        fields.update(_backend_share(backends_mod.backend_records(again, since=again_marker)))
         del again
     fields["backend_records"] = records
     fields["backend_source"] = compiled.source
     return fields
+
+
+def _backend_share(records: list[Any] | None) -> dict[str, Any]:
+    """recompile_backend_s (the summed ``compile_ms`` of the graphs a recompile made) and
+    recompile_cached, for backends whose records say so (stitchcuda's)."""
+    dicts = [r for r in records or [] if isinstance(r, dict) and "compile_ms" in r]
+    if not dicts:
+        return {}
+    return {"recompile_backend_s": sum(r["compile_ms"] for r in dicts) / 1e3,
+            "recompile_cached": all(bool(r.get("cached")) for r in dicts)}
 
 
 def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:

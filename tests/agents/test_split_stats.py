@@ -136,3 +136,26 @@ def test_split_candidate_compiles_for_sm90a():
                                          include_dirs=(csrc_dir(),))])
     assert not isinstance(result, Exception), result
     assert result.cubin[:4] == b"\x7fELF"
+
+
+def test_an_alternative_that_does_not_compile_is_reported(monkeypatch):
+    """The template's own candidate still races; the graph's notes say what was dropped."""
+    from stitch_backend import config as config_mod
+    from stitch_backend import toolchain
+    from stitch_backend.agents.loop import implement
+    from stitch_backend.agents.state import Task
+
+    rec = _graph(ConvBN().train(), torch.randn(2, 3, 64, 64))
+
+    def fake_compile_many(jobs, max_workers=None):
+        # proposals first, then the one alternative (ConvBN has one training BatchNorm)
+        return [toolchain.CompiledKernel(job.name, job.arch, b"\x7fELF", "", 0.0, ["nvcc"])
+                for job in jobs[:-1]] + [toolchain.CompileError(["nvcc"], "error: broken", None)]
+
+    monkeypatch.setattr(toolchain, "compile_many", fake_compile_many)
+    cfg = config_mod.Config(split_stats=True)
+    impl = implement(Task("g", "k", "sm_90a", "cuda"), rec.gm, rec.plan, arch="sm_90a",
+                     config=cfg)
+    (note,) = impl.notes
+    assert note.startswith("alternative ") and "does not compile" in note, note
+    assert all(not c.alternatives for c in impl.candidates.values())

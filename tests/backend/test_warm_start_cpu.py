@@ -117,3 +117,25 @@ def test_four_processes_build_each_graph_once():
     cached = [r["cached"][0] for r in results]
     assert cached.count(False) == 1, cached  # one built it; three waited and loaded it
     assert len(Store().ls()) == 1
+
+
+def test_an_entry_that_does_not_fit_says_why_in_the_notes():
+    """A cache entry refused on warm start is not silent: the reason reaches the report."""
+    from types import SimpleNamespace
+
+    from stitch_backend import artifacts
+    from stitch_backend.agents.planner import partition
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x: (torch.relu(x) * 2,))(torch.randn(4))
+    plan = partition(gm, graph_name="g")
+    notes: list[str] = []
+    entry = SimpleNamespace(key="ab" * 32, manifest={"plan": "not a plan"})
+    assert artifacts.warm_start(entry, gm, plan, task_graph="sc_x", sm_count=132,
+                                notes=notes) is None
+    assert len(notes) == 1 and notes[0].startswith(f"cache entry {'ab' * 6} has no readable plan")
+    other = partition(make_fx(lambda x: (torch.relu(x), x.sum()))(torch.randn(4)), graph_name="h")
+    entry.manifest = {"plan": other.to_json()}
+    assert artifacts.warm_start(entry, gm, plan, task_graph="sc_x", sm_count=132,
+                                notes=notes) is None
+    assert notes[1] == f"cache entry {'ab' * 6} was planned differently; rebuilding"

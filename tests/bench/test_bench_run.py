@@ -317,3 +317,25 @@ def test_trial_inputs_are_drawn_on_the_device(tmp_path):
         cfg = TaskConfig(spec=str(spec), name="scale", backends=["eager"], device=device)
         (x,) = References(problem, cfg, torch.device(device)).inputs(0)
         assert x.device.type == device and x.shape == (4, 8)
+
+
+@pytest.mark.skipif(not _stitchcuda_usable(), reason="stitchcuda backend not registered/importable")
+def test_recompile_reports_the_backends_own_warm_start(tmp_path, monkeypatch):
+    """After torch._dynamo.reset() the second compile loads from stitchcuda's cache; the
+    record separates the backend's share of that first call."""
+    from stitch_backend.bench.report import _compile_cell
+    from stitch_backend.bench.metrics import TaskResult
+
+    monkeypatch.setenv("STITCHCUDA_CACHE_DIR", str(tmp_path / "cache"))
+    records = []
+    cfg = TaskConfig(spec=str(EXAMPLES["mlp_gelu"]), name="mlp_gelu",
+                     backends=["eager", "stitchcuda:cpu_interpret=1"], device="cpu",
+                     trials=1, runs=2, warmup=1, recompile=True)
+    run_task(cfg, records.append)
+    r = {x.backend: x for x in records}["stitchcuda:cpu_interpret=1"]
+    assert r.status == "ok", r.error
+    assert r.recompile_cached is True
+    assert 0 < r.recompile_backend_s < r.recompile_first_call_s
+    result = TaskResult(task="mlp_gelu", task_run=r.task_run, records={r.backend: r})
+    assert _compile_cell(result, r.backend).endswith(
+        f"(backend {r.recompile_backend_s:.2f}, cache hit)")
