@@ -10,6 +10,7 @@ call's time is a cold compile; ``caches="keep"`` leaves the environment's caches
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from .metrics import BackendSummary, TaskResult, latest_runs, summarise
 from .problems import ProblemRef
@@ -121,16 +122,17 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
             proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=_child_env(cfg, tmp, gpu),
                                     start_new_session=True)
             timed_out = False
-            try:
-                rc = proc.wait(timeout=cfg.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc)
-                rc = proc.wait()
-            except BaseException:          # Ctrl-C: leave no orphan behind
-                _kill_group(proc)
-                proc.wait()
-                raise
+            with _LIVE.tracking(proc):
+                try:
+                    rc = proc.wait(timeout=cfg.timeout_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                    _kill_group(proc)
+                    rc = proc.wait()
+                except BaseException:          # Ctrl-C: leave no orphan behind
+                    _kill_group(proc)
+                    proc.wait()
+                    raise
         wall = time.monotonic() - t0
         records = read_records(out)
         tail = _tail(tmp / "stderr.txt") or _tail(tmp / "stdout.txt")
@@ -158,6 +160,35 @@ def _describe_rc(rc: int) -> str:
         except ValueError:
             return f"signal {-rc}"
     return f"exit code {rc}"
+
+
+class _LiveChildren:
+    """The task children running now, so that Ctrl-C in the main thread can kill those
+    that worker threads of ``--jobs N`` are waiting on (a signal reaches only the main
+    thread)."""
+
+    def __init__(self) -> None:
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def tracking(self, proc: subprocess.Popen) -> Iterator[None]:
+        with self._lock:
+            self._procs.add(proc)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+
+    def kill_all(self) -> None:
+        with self._lock:
+            procs = list(self._procs)
+        for proc in procs:
+            _kill_group(proc)
+
+
+_LIVE = _LiveChildren()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -284,19 +315,33 @@ def _run_parallel(cfg: BenchConfig, todo: Sequence[ProblemRef],
         else:  # the i-th GPU this process may use
             slots.put(visible[i].strip() if i < len(visible) else str(i))
     lock = threading.Lock()
+    stopping = threading.Event()
 
     def one(ref: ProblemRef) -> None:
+        if stopping.is_set():
+            return
         gpu = slots.get()
         try:
             recs = run_task_process(cfg, ref, _task_run_id(), gpu)
         finally:
             slots.put(gpu)
         with lock:
-            finished(ref, recs)
+            if not stopping.is_set():  # a child killed by Ctrl-C is no result: --resume reruns it
+                finished(ref, recs)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=cfg.jobs) as pool:
-        for fut in [pool.submit(one, ref) for ref in todo]:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.jobs)
+    futures = [pool.submit(one, ref) for ref in todo]
+    try:
+        for fut in futures:
             fut.result()
+    except BaseException:
+        stopping.set()
+        for fut in futures:
+            fut.cancel()
+        _LIVE.kill_all()
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:

@@ -158,6 +158,34 @@ def test_parallel_jobs_give_each_cuda_task_its_own_gpu(tmp_path, monkeypatch):
     assert gpus == {"gpu=5", "gpu=7"}
 
 
+def test_ctrl_c_with_parallel_jobs_kills_every_child_and_records_nothing(tmp_path):
+    """SIGINT reaches only the main thread; the children the worker threads wait on are
+    killed too, no further task starts, and no crash rows are written (--resume reruns)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    pids = tmp_path / "pids"
+    cfg = runner.BenchConfig(backends=["eager"], device="cpu", out_dir=tmp_path / "out",
+                             timeout_s=60.0, progress=False, plot=False, jobs=2)
+    cfg.python = _fake_python(tmp_path, f'echo $$ >> "{pids}"; exec sleep 30')
+    problems = [ProblemRef(f"t{i}", f"t{i}.py") for i in range(4)]
+    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_bench(cfg, problems)
+    assert time.monotonic() - t0 < 15
+    started = [int(x) for x in pids.read_text().split()]
+    assert len(started) == 2                       # the two running; nothing started after
+    for pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    results = tmp_path / "out" / "results.jsonl"
+    assert not results.exists() or not read_records(results)
+
+
 def test_usage_errors_return_2(tmp_path, capsys):
     assert cli.run(_parse(["bench", "--out", str(tmp_path)])) == 2
     assert "no problems" in capsys.readouterr().err
