@@ -34,6 +34,8 @@ log = logging.getLogger("stitch_backend.cudagraphs")
 
 # Replay is turned off when running uncaptured takes less than this share of its time.
 REPLAY_MARGIN = 0.9
+# Mutated inputs larger than this together are not copied to time the first replay.
+SNAPSHOT_LIMIT = 256 * 2**20
 
 
 def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, device: str,
@@ -175,22 +177,18 @@ class GraphReplay:
         return outputs
 
     def _first_replay(self, inputs: list[torch.Tensor]) -> Any:
-        """The first replay, compared bit for bit with an uncaptured run on the inputs it
-        saw (mutated inputs as they were before it), then timed against running
-        uncaptured: replay stays on only where it is not slower."""
+        """The first replay, compared bit for bit with an uncaptured run on the same inputs
+        (run first: it mutates nothing, so both see the inputs as they were), then timed
+        against running uncaptured: replay stays on only where it is not slower."""
         writebacks = self.program.writebacks
         targets = [inputs[w.input_index] for w in writebacks]
-        before = [t.clone() for t in targets]
+        expected, values = split_outputs(self.program.run_inputs(inputs), writebacks)
         outputs = self._replay(inputs)
-        check_inputs = list(inputs)
-        for w, old in zip(writebacks, before):
-            check_inputs[w.input_index] = old
-        expected, values = split_outputs(self.program.run_inputs(check_inputs), writebacks)
-        del check_inputs, before
         if not (_identical(outputs, expected) and _identical(list(targets), values)):
             write_back(targets, values)
             self.disable("the first replay differed from the uncaptured run")
             return expected
+        del expected, values
         why = self._slower_than_uncaptured(inputs, targets)
         if why:
             self.disable(why)
@@ -201,7 +199,14 @@ class GraphReplay:
         """Why replaying is the slower way to run this Program, if it is: a replay also
         copies the inputs in and the outputs out, which for a few kernels over large
         tensors costs more than the launches it saves. Timed here, on the user's inputs;
-        the timing runs' mutations are undone."""
+        the timing runs' mutations are undone (not timed, replay kept, where the mutated
+        inputs are too large to save a copy of: a KV cache, say)."""
+        saved_bytes = sum(t.numel() * t.element_size() for t in targets)
+        if saved_bytes > SNAPSHOT_LIMIT:
+            self.program.notes_sink.append(
+                f"replay kept without timing it: {saved_bytes / 2**20:.0f} MiB of mutated inputs "
+                "would have to be saved and restored around the timing runs")
+            return None
         saved = [t.clone() for t in targets]
         try:
             replay_ms = wall_ms(lambda: self._replay(inputs))

@@ -59,3 +59,65 @@ def test_replay_stays_on_unless_running_uncaptured_is_clearly_faster(monkeypatch
                                       "uncaptured (wall clock, median of 5, on the first replay)"]
         if off:
             assert why.startswith("slower than running uncaptured (9.000 ms vs 3.000 ms")
+
+
+def test_replay_is_not_timed_where_mutated_inputs_are_too_large_to_save(monkeypatch):
+    from stitch_backend import cudagraphs
+
+    class _Program:
+        writebacks: list = []
+
+        def __init__(self):
+            self.notes_sink: list[str] = []
+
+    def no_timing(fn):
+        raise AssertionError("timed although the mutated inputs are over the limit")
+
+    monkeypatch.setattr(cudagraphs, "wall_ms", no_timing)
+    monkeypatch.setattr(cudagraphs, "SNAPSHOT_LIMIT", 1024)
+    program = _Program()
+    replay = cudagraphs.GraphReplay(program, set())
+    assert replay._slower_than_uncaptured([], [torch.zeros(512)]) is None   # 2 KiB
+    assert program.notes_sink[0].startswith("replay kept without timing it: 0 MiB of mutated")
+
+
+def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
+    """The first replay's logic on the CPU, with a stand-in for the captured graph (which
+    runs the Program and writes static mutated inputs, as the capture records): outputs
+    checked, timing runs' mutations undone, the counter advanced exactly once."""
+    from stitch_backend import cudagraphs
+    from stitch_backend.agents.planner import partition
+    from stitch_backend.mutations import split_outputs, strip_input_mutations, write_back
+    from stitch_backend.program import Program
+
+    aten = torch.ops.aten
+
+    def step(x, count):
+        new = aten.add.Tensor(count, 1)
+        aten.copy_.default(count, new)
+        return (aten.mul.Tensor(x, new),)
+
+    functional, writebacks = strip_input_mutations(make_fx(step)(torch.randn(3), torch.zeros(())))
+    program = Program(functional, partition(functional, graph_name="g"))
+    program.writebacks = writebacks
+    replay = cudagraphs.GraphReplay(program, {1})          # count: a buffer, read in place
+
+    class _Graph:
+        def replay(self):
+            replay.static_outputs = program.run_inputs(replay.static_inputs)
+            _, values = split_outputs(replay.static_outputs, writebacks)
+            write_back([replay.static_inputs[1]], values)
+
+    timed = []
+    monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: (fn(), timed.append(fn), 1.0)[-1])
+    x, count = torch.randn(3), torch.zeros(())
+    replay.graph, replay.warm = _Graph(), True
+    replay.static_inputs = [torch.empty(3), count]
+    replay.captured_ptrs = [0, count.data_ptr()]
+    out = replay([x, count])
+    assert len(timed) == 2 and replay.disabled is None     # equal times: replay stays on
+    assert count.item() == 1.0                             # once, despite 3 extra runs
+    torch.testing.assert_close(out, (x * 1.0,), rtol=0, atol=0)
+    out = replay([x, count])
+    assert count.item() == 2.0
+    torch.testing.assert_close(out, (x * 2.0,), rtol=0, atol=0)
