@@ -95,9 +95,11 @@ def strip_input_mutations(gm: torch.fx.GraphModule
 
 
 def write_back(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-    """``t.copy_(v)`` for each pair, in order, as one ``_foreach_copy_`` launch where the
-    shapes, dtypes and devices allow and no value shares memory with a target (one by one,
-    exactly as the graph's copies ran, otherwise)."""
+    """``t.copy_(v)`` for each pair: one ``_foreach_copy_`` launch per (device, dtype)
+    group (its fast path needs one dtype: BatchNorm's int64 step counters beside its fp32
+    statistics make two groups) where shapes and dtypes match pairwise and no value shares
+    memory with a target, so that order cannot matter; else one by one, in order, exactly
+    as the graph's copies ran."""
     if not targets:
         return
     same = all(isinstance(v, torch.Tensor) and t.shape == v.shape and t.dtype == v.dtype
@@ -105,11 +107,17 @@ def write_back(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
     if same:
         written = {t.untyped_storage().data_ptr() for t in targets}
         same = not any(v.untyped_storage().data_ptr() in written for v in values)
-    if same and len({t.device for t in targets}) == 1 and hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(list(targets), list(values))
+    if not (same and hasattr(torch, "_foreach_copy_")):
+        for t, v in zip(targets, values):
+            t.copy_(v)
         return
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for t, v in zip(targets, values):
-        t.copy_(v)
+        dst, src = groups.setdefault((t.device, t.dtype), ([], []))
+        dst.append(t)
+        src.append(v)
+    for dst, src in groups.values():
+        torch._foreach_copy_(dst, src)
 
 
 def split_outputs(outputs: Any, writebacks: Sequence[Writeback]) -> tuple[Any, list[Any]]:

@@ -112,6 +112,19 @@ def test_write_back_keeps_copy_order_when_a_value_is_a_target():
     assert c.tolist() == [1, 2]
 
 
+def test_write_back_groups_by_dtype(monkeypatch):
+    """One _foreach_copy_ per dtype: its fast path needs a single dtype."""
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_",
+                        lambda dst, src: (calls.append([t.dtype for t in dst]), real(dst, src)))
+    mean, var, steps = torch.zeros(3), torch.ones(3), torch.zeros((), dtype=torch.int64)
+    write_back([mean, steps, var],
+               [torch.full((3,), 2.0), torch.tensor(7), torch.full((3,), 3.0)])
+    assert sorted(calls, key=len) == [[torch.int64], [torch.float32, torch.float32]]
+    assert mean.tolist() == [2.0] * 3 and var.tolist() == [3.0] * 3 and steps.item() == 7
+
+
 class _Counting(torch.nn.Module):
     """A BatchNorm in training mode (running statistics, a step counter) and an in-place
     update of a user input."""
