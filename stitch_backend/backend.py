@@ -104,8 +104,8 @@ class StitchBackend:
             inference_compiler=compile_stage(self._compile, "inference"),
             decompositions=decomposition_table(),
             # Input mutations (BatchNorm's running statistics) stay in the graph, so the
-            # Program writes them back itself: one launch, inside the CUDA graph when
-            # replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
+            # Program writes them back itself: one launch per dtype, inside the CUDA graph
+            # when replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
             keep_inference_input_mutations=True,
         )
         return aot(gm, example_inputs)
@@ -172,7 +172,7 @@ class StitchBackend:
         program.writebacks = list(writebacks or [])
         if writebacks:
             notes.append(f"{len(writebacks)} mutated input(s) (e.g. BatchNorm running "
-                         "statistics) written back once per call, in one launch")
+                         "statistics) written back once per call, one launch per dtype")
         if device == "cuda":
             self._plan_replay(program, replay_why, record)
         record.compile_ms = (time.perf_counter() - t0) * 1e3

@@ -5,8 +5,8 @@ The backend asks AOTAutograd to keep an inference graph's input mutations in the
 ``copy_(placeholder, new_value)`` nodes instead of returning the new values for a Python
 epilogue to copy, one ``copy_`` call per buffer per step (60 for a ResNet18 in training
 mode). Here those nodes are taken out again: the Program runs the functional graph, which
-also returns the new values, and writes them back once per call, in one fused
-``_foreach_copy_`` launch (inside the CUDA graph when the Program is replayed). Every
+also returns the new values, and writes them back once per call, one fused
+``_foreach_copy_`` launch per dtype (inside the CUDA graph when the Program is replayed). Every
 extra run the backend makes (verification, warm-up, the replay check, timing) stays
 free of side effects that way.
 """
