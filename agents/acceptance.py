@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from stitch_backend.bench.compare import compare
+from stitch_backend.correctness import compare
 from stitch_backend.program import Program, Step
 
 from .state import Attempt, Candidate, Trajectory, Verdict

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from stitch_backend.bench.compare import compare
+from stitch_backend.correctness import compare
 
 from .state import Verdict
 

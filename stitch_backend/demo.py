@@ -12,7 +12,7 @@ def run_demo(example: str, *, device: str | None = None, seed: int = 0) -> int:
     """Run ``example`` eagerly and compiled; print both results, the timing and the plan.
     Returns 0 when the outputs agree by DESIGN.md's rule, 1 otherwise."""
     from .backend import StitchBackend
-    from .bench.compare import compare
+    from .correctness import compare
     from .examples import load_example
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .backend import GraphRecord, StitchBackend
-from .bench.compare import flatten_outputs
+from .correctness import flatten_outputs
 from .ir import RegionKind
 
 log = logging.getLogger("stitch_backend.explain")

@@ -4,7 +4,8 @@ Pieces, in pipeline order:
 
 - ``problems``: find and load problems (KernelBench-format files or ``module:factory``)
 - ``worker``:   the child process that runs one problem under every backend
-- ``compare``:  the correctness rule (KernelBench's and DESIGN.md's), torch only
+- (the correctness rule, KernelBench's and DESIGN.md's, is ``stitch_backend.correctness``,
+  shared with the Verifier)
 - ``timing``:   CUDA-event / perf_counter timing with warm-up and L2 flush
 - ``records``:  the JSON-lines record written per task and backend
 - ``metrics``:  correct counts, geomean speedups, fast_p

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from . import backends as backends_mod
-from .compare import Comparison, compare, flatten_outputs
+from ..correctness import Comparison, compare, flatten_outputs
 from .problems import Problem, load_problem
 from .records import ERROR, OK, BenchRecord, append_records
 from .timing import L2Flusher, time_call, time_first_call

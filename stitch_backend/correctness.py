@@ -11,7 +11,8 @@ Two verdicts from one comparison:
   eager's. Normalised max error = max|x - fp64| / max|fp64| (plain max|x - fp64| when the
   reference is all zero).
 
-Torch only: the Verifier may reuse this module, so it imports nothing from the backend.
+One rule for the whole project: the Verifier judges candidates with it, the bench judges
+backends, the demo judges its example. Torch only: it imports nothing from the backend.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from stitch_backend.bench.compare import compare
+from stitch_backend.correctness import compare
 
 
 def _ref(shape=(64, 32), seed=0):
