@@ -189,6 +189,7 @@ class Verifier:
                   ) -> tuple[float, float, str]:
         """(candidate ms, eager ms, clock): both as CUDA graph replays when
         ``graph_timing`` is set and both capture, else both with CUDA events."""
+        clock = "cuda-events"
         if self.settings.graph_timing:
             graphs = []
             try:
@@ -207,8 +208,7 @@ class Verifier:
             finally:
                 for g in graphs:
                     g.reset()
-            return self.time(candidate, inputs), self.time(eager, inputs), clock
-        return self.time(candidate, inputs), self.time(eager, inputs), "cuda-events"
+        return self.time(candidate, inputs), self.time(eager, inputs), clock
 
     def time(self, fn: Fn, inputs: Sequence[Any]) -> float:
         """Median milliseconds of ``fn(*inputs)`` with CUDA events, L2 flushed each run."""

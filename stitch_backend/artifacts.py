@@ -149,7 +149,7 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
 
     notes = notes if notes is not None else []
 
-    def refuse(msg: str) -> None:
+    def say(msg: str) -> None:
         log.warning("%s", msg)
         notes.append(msg)
 
@@ -157,11 +157,11 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
     try:
         stored = Plan.from_json(manifest["plan"])
     except (KeyError, ValueError, TypeError) as err:
-        refuse(f"cache entry {entry.key[:12]} has no readable plan ({err}); rebuilding")
+        say(f"cache entry {entry.key[:12]} has no readable plan ({err}); rebuilding")
         return None
     shape = [(r.kind, r.ops, r.nodes) for r in plan.regions]
     if shape != [(r.kind, r.ops, r.nodes) for r in stored.regions]:
-        refuse(f"cache entry {entry.key[:12]} was planned differently; rebuilding")
+        say(f"cache entry {entry.key[:12]} was planned differently; rebuilding")
         return None
     coder = TemplateCoder(sm_count=sm_count, split_stats=split_stats)
     interpreted = getattr(base, "__name__", "") == "InterpretedRunner"
@@ -172,7 +172,7 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
                                                                    task_graph), base=base)
                        for k in manifest["kernels"]}
         except Exception as err:  # noqa: BLE001 - a record that does not fit: regenerate
-            refuse(f"cache entry {entry.key[:12]}: stored launches unusable "
+            say(f"cache entry {entry.key[:12]}: stored launches unusable "
                    f"({type(err).__name__}: {err}); regenerating its kernels")
         else:
             _restore_verdicts(plan, stored)
@@ -183,17 +183,17 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
         try:
             cand = _regenerated(coder, gm, region, task_graph, k["source_sha256"])
         except Exception as err:  # noqa: BLE001
-            refuse(f"cache entry {entry.key[:12]}: cannot regenerate {k['name']} ({err}); "
+            say(f"cache entry {entry.key[:12]}: cannot regenerate {k['name']} ({err}); "
                    "rebuilding")
             return None
         if cand is None:
-            refuse(f"cache entry {entry.key[:12]}: kernel {k['name']} source changed; "
+            say(f"cache entry {entry.key[:12]}: kernel {k['name']} source changed; "
                    "rebuilding")
             return None
         if k.get("cubin"):
             cand.cubin = entry.read(k["cubin"])
         elif not interpreted:
-            refuse(f"cache entry {entry.key[:12]} has no cubin for {k['name']}; rebuilding")
+            say(f"cache entry {entry.key[:12]} has no cubin for {k['name']}; rebuilding")
             return None
         runners[region.id] = runner_for(cand, base=base)
     _restore_verdicts(plan, stored)

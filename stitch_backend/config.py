@@ -70,7 +70,7 @@ class Config:
         default=False,
         metadata=_meta("STITCHCUDA_SPLIT_STATS", True,
                        "Also race a split-statistics candidate for training BatchNorm over "
-                       "few channels (experimental: not yet measured on a GPU)."),
+                       "few channels (experimental, off until re-measured; see README)."),
     )
     cpu_interpret: bool = field(
         default=False,

@@ -131,6 +131,11 @@ class GraphReplay:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[torch.Tensor] = []
         self.static_outputs: Any = None
+        # Fixed at each capture: the outputs handed over (cloned), the non-static mutated
+        # inputs' (index, new value), the indices of inputs copied in.
+        self._own: Any = None
+        self._outside: list[tuple[int, Any]] = []
+        self._copied: list[int] = []
         self.captured_ptrs: list[int] = []
         self.warm = False
         self.checked = False
@@ -152,16 +157,24 @@ class GraphReplay:
 
     def _replay(self, inputs: list[torch.Tensor]) -> Any:
         """One replay: inputs copied in (where they are not the graph's own), the graph,
-        the mutations of non-static inputs written back, the outputs cloned."""
-        for i, x in enumerate(inputs):
-            if i not in self.static_indices and x.data_ptr() != self.static_inputs[i].data_ptr():
-                self.static_inputs[i].copy_(x)
+        the mutations of non-static inputs written back, the outputs cloned. What each
+        of these touches was worked out once, at capture (this runs every call)."""
+        for i in self._copied:
+            x, static = inputs[i], self.static_inputs[i]
+            if x.data_ptr() != static.data_ptr():
+                static.copy_(x)
         self.graph.replay()
-        own, values = split_outputs(self.static_outputs, self.program.writebacks)
-        outside = [(inputs[w.input_index], v) for w, v in zip(self.program.writebacks, values)
-                   if w.input_index not in self.static_indices]
-        write_back([t for t, _ in outside], [v for _, v in outside])
-        return _clone(own)
+        if self._outside:
+            write_back([inputs[i] for i, _ in self._outside], [v for _, v in self._outside])
+        return _clone(self._own)
+
+    def _by_place(self, values: Sequence[Any]) -> tuple[list[tuple[int, Any]],
+                                                         list[tuple[int, Any]]]:
+        """(input index, new value) of each writeback, split into those of parameters
+        and buffers (written inside the graph) and the rest (written after it)."""
+        pairs = [(w.input_index, v) for w, v in zip(self.program.writebacks, values)]
+        return ([p for p in pairs if p[0] in self.static_indices],
+                [p for p in pairs if p[0] not in self.static_indices])
 
     def _captured_run(self) -> Any:
         """What is captured: the Program on the static inputs, then the new values of
@@ -169,11 +182,8 @@ class GraphReplay:
         capture's uncaptured first run must not mutate anything)."""
         outputs = self.program.run_inputs(self.static_inputs)
         if self.program.writebacks and torch.cuda.is_current_stream_capturing():
-            _, values = split_outputs(outputs, self.program.writebacks)
-            inside = [(self.static_inputs[w.input_index], v)
-                      for w, v in zip(self.program.writebacks, values)
-                      if w.input_index in self.static_indices]
-            write_back([t for t, _ in inside], [v for _, v in inside])
+            inside, _ = self._by_place(split_outputs(outputs, self.program.writebacks)[1])
+            write_back([self.static_inputs[i] for i, _ in inside], [v for _, v in inside])
         return outputs
 
     def _first_replay(self, inputs: list[torch.Tensor]) -> Any:
@@ -238,6 +248,9 @@ class GraphReplay:
                                   for i, x in enumerate(inputs)]
             self.captured_ptrs = [x.data_ptr() for x in inputs]
             self.graph, self.static_outputs = capture(self._captured_run)
+            self._own, values = split_outputs(self.static_outputs, self.program.writebacks)
+            self._outside = self._by_place(values)[1]
+            self._copied = [i for i in range(len(inputs)) if i not in self.static_indices]
             self.captures += 1
         except Exception as err:  # noqa: BLE001 - capture failure: run uncaptured, say why
             self.graph = None
@@ -247,7 +260,8 @@ class GraphReplay:
     def disable(self, why: str) -> None:
         self.disabled = why
         self.graph = None
-        self.static_outputs = None
+        self.static_outputs = self._own = None   # the graph's pool is freed with these
+        self._outside = []
         self.static_inputs = []
         log.warning("stitchcuda: CUDA graph replay off for %s: %s",
                     self.program.plan.graph_name, why)

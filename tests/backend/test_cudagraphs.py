@@ -103,17 +103,19 @@ def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
     replay = cudagraphs.GraphReplay(program, {1})          # count: a buffer, read in place
 
     class _Graph:
-        def replay(self):
-            replay.static_outputs = program.run_inputs(replay.static_inputs)
-            _, values = split_outputs(replay.static_outputs, writebacks)
+        def replay(self):  # as a CUDA graph does: the captured outputs' memory rewritten
+            fresh = program.run_inputs(replay.static_inputs)
+            for dst, src in zip(replay.static_outputs, fresh):
+                dst.copy_(src)
+            _, values = split_outputs(fresh, writebacks)
             write_back([replay.static_inputs[1]], values)
 
+    monkeypatch.setattr(cudagraphs, "capture", lambda fn: (_Graph(), fn()))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # fn(): uncaptured
     timed = []
     monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: (fn(), timed.append(fn), 1.0)[-1])
     x, count = torch.randn(3), torch.zeros(())
-    replay.graph, replay.warm = _Graph(), True
-    replay.static_inputs = [torch.empty(3), count]
-    replay.captured_ptrs = [0, count.data_ptr()]
+    replay.warm = True
     out = replay([x, count])
     assert len(timed) == 2 and replay.disabled is None     # equal times: replay stays on
     assert count.item() == 1.0                             # once, despite 3 extra runs
