@@ -48,6 +48,8 @@ class BenchRecord:
     recompile_first_call_s: float | None = None  # first call after torch._dynamo.reset()
     recompile_backend_s: float | None = None  # the backend's own share of it (its records)
     recompile_cached: bool | None = None      # every graph of the recompile came from its cache
+    wall_s: float | None = None              # this backend's whole share of the task's time
+    references_s: float | None = None        # the task's eager/fp64 references (shared)
     eager_deterministic: bool | None = None  # eager twice on the same inputs gave equal outputs
     determinism_max_abs: float | None = None
     eager_output_varies: bool | None = None  # eager's output differs across the input trials

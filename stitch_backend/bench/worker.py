@@ -354,6 +354,7 @@ def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
         sink(BenchRecord(backend=backend, **base, **fields, env=env, time_unix=time.time()))
 
     with torch.no_grad():
+        started = time.perf_counter()
         try:
             problem = load_problem(cfg.spec)
             refs = References(problem, cfg, device)
@@ -363,13 +364,15 @@ def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
             for b in cfg.backends:
                 emit(b, dict(fields))
             return
+        base["references_s"] = round(time.perf_counter() - started, 3)
         flusher = L2Flusher(device) if device.type == "cuda" else None
         for b in cfg.backends:
+            started = time.perf_counter()
             try:
                 fields = {"status": OK, **run_backend(b, problem, refs, cfg, device, flusher)}
             except Exception as exc:
                 fields = _error_fields(exc)
-            fields.update(refs.facts())
+            fields.update(refs.facts(), wall_s=round(time.perf_counter() - started, 3))
             emit(b, fields)
             gc.collect()
             if device.type == "cuda":

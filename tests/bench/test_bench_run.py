@@ -70,6 +70,7 @@ def test_full_run_writes_records_and_summary(full_run, capsys):
             assert r.clock == "cpu" and r.median_ms > 0 and r.runs == 3
             assert r.eager_deterministic is True and r.eager_output_varies is True
             assert r.mode == "train" and r.device == "cpu"
+            assert r.wall_s >= r.median_ms * r.runs / 1e3 and r.references_s > 0
         assert by[(task, "aot_eager")].cold_first_call_s > 0
         assert by[(task, "aot_eager")].recompile_first_call_s > 0
         assert by[(task, "eager")].task_run == by[(task, "aot_eager")].task_run
