@@ -25,6 +25,15 @@ BUILTIN: dict[str, tuple[str | None, str | None]] = {
     "stitchcuda": ("stitchcuda", None),
 }
 DEFAULT_BACKENDS = ("eager", "inductor", "stitchcuda")
+#: backends whose compile is host work only (no GPU timing while compiling): under
+#: --share-gpu their first call runs outside the task's GPU turn
+HOST_COMPILED = frozenset({"eager", "aot_eager", "inductor", "inductor-reduce-overhead"})
+
+
+def compiles_on_host(name: str) -> bool:
+    """Whether ``name``'s compile leaves the GPU alone (see HOST_COMPILED); unknown and
+    autotuning backends are assumed to time things on the GPU."""
+    return split_options(name)[0] in HOST_COMPILED
 
 
 class UnknownBackendError(ValueError):

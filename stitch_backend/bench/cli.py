@@ -57,7 +57,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per task (default: %(default)s)")
     p.add_argument("--jobs", type=int, default=1,
                    help="tasks run at once, each in its own process; on CUDA each gets its own "
-                        "GPU, so N needs N GPUs (default: %(default)s)")
+                        "GPU, so N needs N GPUs unless --share-gpu (default: %(default)s)")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="with --jobs N above the GPU count: tasks share GPUs and take turns on "
+                        "them (references, checks, timing and stitchcuda's compile hold the "
+                        "GPU; Inductor's compile overlaps others' work): faster runs, compile "
+                        "times measured under CPU contention; the summary says so")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: ./bench-out)")
     p.add_argument("--resume", action="store_true",
                    help="skip tasks already in OUT/results.jsonl with every requested backend")
@@ -135,10 +140,11 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         print("stitchcuda bench: error: --jobs must be positive", file=sys.stderr)
         return USAGE_ERROR
-    if on_gpu and args.jobs > 1 and args.jobs > torch.cuda.device_count():
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    if on_gpu and args.jobs > 1 and args.jobs > gpus and not args.share_gpu:
         print(f"stitchcuda bench: error: --jobs {args.jobs} needs {args.jobs} GPUs (one per "
-              f"task, so timings do not mix); torch sees {torch.cuda.device_count()}",
-              file=sys.stderr)
+              f"task, so timings do not mix); torch sees {gpus} (--share-gpu lets tasks take "
+              "turns on one)", file=sys.stderr)
         return USAGE_ERROR
     for flag in ("trials", "runs", "warmup"):
         v = getattr(args, flag)
@@ -152,8 +158,15 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup if args.warmup is not None else (10 if on_gpu else 2),
         timeout_s=args.timeout, out_dir=args.out, resume=args.resume, seed=args.seed,
         caches=args.caches, recompile=not args.no_recompile, plot=not args.no_plot,
-        progress=not args.no_progress, report_only=args.report_only, jobs=args.jobs)
-    result = run_bench(cfg, problems)
+        progress=not args.no_progress, report_only=args.report_only, jobs=args.jobs,
+        share_gpu=on_gpu and args.share_gpu and args.jobs > gpus,
+        gpus=gpus)
+    try:
+        result = run_bench(cfg, problems)
+    except KeyboardInterrupt:
+        print(f"stitchcuda bench: interrupted; finished tasks are in {args.out / 'results.jsonl'} "
+              "(the same command with --resume goes on)", file=sys.stderr)
+        return 130
     for note in result.notes:
         print(note)
     print(result.plot_note)

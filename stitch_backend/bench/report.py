@@ -73,6 +73,12 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
                   "the first call after torch._dynamo.reset() with those caches warm; `backend` "
                   "is the backend's own share of it where it reports one (stitchcuda: the "
                   "warm start from its cache), the rest is Dynamo, AOTAutograd and the call.", ""]
+    if meta.get("gpu_shared_by"):
+        lines += [f"GPUs shared by up to {meta['gpu_shared_by']} tasks (--share-gpu): each task "
+                  "held its GPU for references, checks, timing and GPU-timing compiles "
+                  "(stitchcuda), so no two timings overlapped; host-only compiles (Inductor) "
+                  "overlapped other tasks' turns, and every compile time was measured with "
+                  "other tasks' compiles competing for the CPU.", ""]
     if meta.get("device") == "cpu":
         lines += ["Timed on CPU (time.perf_counter, few runs): these numbers test the harness, "
                   "they are not the product's claim.", ""]

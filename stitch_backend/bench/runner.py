@@ -29,6 +29,7 @@ from .metrics import BackendSummary, TaskResult, latest_runs, summarise
 from .problems import ProblemRef
 from .records import CRASH, TIMEOUT, BenchRecord, append_records, read_records
 from .report import render_markdown, write_plot
+from .turns import GPU_SHARED_ENV, GPU_TURN_ENV
 from .worker import TaskConfig
 
 log = logging.getLogger("stitch_backend.bench.runner")
@@ -60,6 +61,8 @@ class BenchConfig:
     progress: bool = True
     python: str = sys.executable
     jobs: int = 1                    # tasks run at once; on CUDA, one GPU each
+    share_gpu: bool = False          # more jobs than GPUs: tasks on one GPU take turns
+    gpus: int = 0                    # GPUs torch sees (CUDA)
 
 
 @dataclass
@@ -81,10 +84,25 @@ def _package_root() -> Path:
     return Path(stitch_backend.__file__).resolve().parent.parent
 
 
-def _child_env(cfg: BenchConfig, tmp: Path, gpu: str | None = None) -> dict[str, str]:
+@dataclass(frozen=True)
+class Slot:
+    """Where one of ``--jobs N`` runs its tasks: a GPU (None: the default device), and
+    when the GPU is shared with other slots, the lock file its tasks take turns by."""
+
+    gpu: str | None = None
+    turn_lock: str | None = None
+    shared_by: int = 1
+
+
+def _child_env(cfg: BenchConfig, tmp: Path, slot: Slot = Slot()) -> dict[str, str]:
     env = dict(os.environ)
-    if gpu is not None:              # parallel CUDA tasks: each child sees its own GPU
-        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if slot.gpu is not None:         # parallel CUDA tasks: each child sees its own GPU
+        env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+    if slot.turn_lock is not None:
+        env[GPU_TURN_ENV] = slot.turn_lock
+        env[GPU_SHARED_ENV] = str(slot.shared_by)
+        # Compiles overlap other tasks' timing: leave the timing process cores of its own.
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, (os.cpu_count() or 1) // (cfg.jobs + 1)))
     # The child must import this same stitch_backend even when it is not installed.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_package_root()), env.get("PYTHONPATH")) if p)
     if cfg.caches == "fresh":
@@ -102,8 +120,8 @@ def _tail(path: Path) -> str:
 
 
 def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
-                     gpu: str | None = None) -> list[BenchRecord]:
-    """Run one task in a child process (restricted to GPU ``gpu`` when given); a record
+                     slot: Slot = Slot()) -> list[BenchRecord]:
+    """Run one task in a child process (on ``slot``'s GPU when it names one); a record
     for every backend, the child's own or a timeout/crash record carrying the tail of
     its stderr."""
     task_cfg = TaskConfig(spec=ref.spec, name=ref.name, backends=list(cfg.backends),
@@ -119,7 +137,7 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
         t0 = time.monotonic()
         with (tmp / "stdout.txt").open("wb") as so, (tmp / "stderr.txt").open("wb") as se:
             # Its own session, so a timeout kills the child and anything it started (nvcc).
-            proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=_child_env(cfg, tmp, gpu),
+            proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=_child_env(cfg, tmp, slot),
                                     start_new_session=True)
             timed_out = False
             with _LIVE.tracking(proc):
@@ -305,26 +323,49 @@ def _task_run_id() -> str:
 def _run_parallel(cfg: BenchConfig, todo: Sequence[ProblemRef],
                   finished: Callable[[ProblemRef, list[BenchRecord]], None]) -> None:
     """``cfg.jobs`` tasks at once, each in its own child; on CUDA each slot owns one GPU
-    (CUDA_VISIBLE_DEVICES), so no two timed tasks share a device. Records are written
-    as tasks finish, one task at a time."""
-    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    (CUDA_VISIBLE_DEVICES), so no two timed tasks share a device, unless ``share_gpu``,
+    where slots on one GPU take turns on it. Records are written as tasks finish, one
+    task at a time."""
     slots: queue.SimpleQueue = queue.SimpleQueue()
-    for i in range(cfg.jobs):
-        if cfg.device != "cuda":
-            slots.put(None)
-        else:  # the i-th GPU this process may use
-            slots.put(visible[i].strip() if i < len(visible) else str(i))
+    with tempfile.TemporaryDirectory(prefix="stitchcuda-bench-turns-") as turns:
+        for slot in plan_slots(cfg, Path(turns)):
+            slots.put(slot)
+        _run_slots(cfg, todo, finished, slots)
+
+
+def plan_slots(cfg: BenchConfig, turns: Path) -> list[Slot]:
+    """One Slot per job: GPUs in the order CUDA_VISIBLE_DEVICES lists them (or 0..n-1),
+    dealt round-robin when ``share_gpu``; a shared GPU gets a lock file under ``turns``."""
+    if cfg.device != "cuda":
+        return [Slot() for _ in range(cfg.jobs)]
+    visible = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    n = len(visible) or max(cfg.gpus, 1)
+    names = visible or [str(i) for i in range(n)]
+    if not cfg.share_gpu:
+        return [Slot(gpu=names[i] if i < len(names) else str(i)) for i in range(cfg.jobs)]
+    chosen = [names[i % n] for i in range(cfg.jobs)]
+    out = []
+    for gpu in chosen:
+        k = chosen.count(gpu)
+        out.append(Slot(gpu=gpu, turn_lock=str(turns / f"gpu{gpu}.lock") if k > 1 else None,
+                        shared_by=k))
+    return out
+
+
+def _run_slots(cfg: BenchConfig, todo: Sequence[ProblemRef],
+               finished: Callable[[ProblemRef, list[BenchRecord]], None],
+               slots: queue.SimpleQueue) -> None:
     lock = threading.Lock()
     stopping = threading.Event()
 
     def one(ref: ProblemRef) -> None:
         if stopping.is_set():
             return
-        gpu = slots.get()
+        slot = slots.get()
         try:
-            recs = run_task_process(cfg, ref, _task_run_id(), gpu)
+            recs = run_task_process(cfg, ref, _task_run_id(), slot)
         finally:
-            slots.put(gpu)
+            slots.put(slot)
         with lock:
             if not stopping.is_set():  # a child killed by Ctrl-C is no result: --resume reruns it
                 finished(ref, recs)
@@ -358,7 +399,17 @@ def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:
     if cfg.report_only and first is not None:     # describe the run that made the records
         return {"device": first.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
                 "triton": env.get("triton"), "mode": first.mode, "trials": first.trials,
-                "caches": first.caches, "tasks": len(results), "report": "--report-only"}
+                "caches": first.caches, "tasks": len(results), "report": "--report-only",
+                "gpu_shared_by": max((rec.env.get("gpu_shared_by") or 0 for r in results
+                                      for rec in r.records.values()), default=0) or None}
     return {"device": cfg.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
             "triton": env.get("triton"), "mode": cfg.mode, "trials": cfg.trials,
-            "runs": cfg.runs, "caches": cfg.caches, "tasks": len(results)}
+            "runs": cfg.runs, "caches": cfg.caches, "tasks": len(results),
+            "gpu_shared_by": _shared_by(cfg)}
+
+
+def _shared_by(cfg: BenchConfig) -> int | None:
+    """How many tasks took turns on one GPU at most (None: each had its own)."""
+    if not cfg.share_gpu:
+        return None
+    return -(-cfg.jobs // max(cfg.gpus, 1))

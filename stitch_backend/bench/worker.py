@@ -14,6 +14,7 @@ construction of each model instance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import platform
 import random
@@ -31,6 +32,7 @@ from ..correctness import Comparison, compare, flatten_outputs
 from .problems import Problem, load_problem
 from .records import ERROR, OK, BenchRecord, append_records
 from .timing import L2Flusher, time_call, time_first_call
+from .turns import GpuTurn
 
 ERROR_TAIL_CHARS = 4000
 
@@ -281,23 +283,43 @@ def _call_peak_mb(call, device: torch.device) -> float | None:
 
 
 def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
-                device: torch.device, flusher: L2Flusher | None) -> dict[str, Any]:
-    """Compile, check and time one backend; the record's fields (raises on failure)."""
+                device: torch.device, flusher: L2Flusher | None,
+                turn: GpuTurn | None = None) -> dict[str, Any]:
+    """Compile, check and time one backend; the record's fields (raises on failure).
+    With a shared GPU (``turn``), everything but a host-compiled backend's first call
+    (its compile) runs in this task's turn on the GPU."""
     import torch._dynamo
 
-    torch._dynamo.reset()
-    model = build_model(problem, cfg, device)
-    compiled = backends_mod.wrap(name, model)
-    marker = backends_mod.graph_count_marker(compiled)
+    turn = turn or GpuTurn(None)
     fields: dict[str, Any] = {}
+    with turn:
+        torch._dynamo.reset()
+        model = build_model(problem, cfg, device)
+        compiled = backends_mod.wrap(name, model)
+        marker = backends_mod.graph_count_marker(compiled)
+        ref0 = refs.trial(0)
+        first_inputs = _clone(ref0.inputs)
+    with contextlib.nullcontext() if backends_mod.compiles_on_host(name) else turn:
+        torch.manual_seed(refs.trial_seeds[0])
+        fields["cold_first_call_s"], out = time_first_call(lambda: compiled.fn(*first_inputs), device)
+    with turn:
+        checks = [("first call", compare(out, ref0.eager, ref0.fp64))]
+        out_bytes = _nbytes(out)
+        del out, ref0
+        fields.update(_check_and_time(name, model, compiled, refs, cfg, device, flusher, checks, out_bytes))
+        fields["backend_records"] = backends_mod.backend_records(compiled, since=marker)
+        fields["backend_source"] = compiled.source
+    return fields
 
-    ref0 = refs.trial(0)
-    torch.manual_seed(refs.trial_seeds[0])
-    first_inputs = _clone(ref0.inputs)
-    fields["cold_first_call_s"], out = time_first_call(lambda: compiled.fn(*first_inputs), device)
-    checks = [("first call", compare(out, ref0.eager, ref0.fp64))]
-    out_bytes = _nbytes(out)
-    del out, ref0
+
+def _check_and_time(name: str, model: torch.nn.Module, compiled: backends_mod.Compiled,
+                    refs: References, cfg: TaskConfig, device: torch.device,
+                    flusher: L2Flusher | None, checks: list[tuple[str, Comparison]],
+                    out_bytes: int) -> dict[str, Any]:
+    """After the first call: the input trials, timing, peak memory and the recompile."""
+    import torch._dynamo
+
+    fields: dict[str, Any] = {}
     for t in range(cfg.trials):
         ref = refs.trial(t)
         torch.manual_seed(refs.trial_seeds[t])
@@ -316,7 +338,6 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
                           + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
     fields.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
                   runs=timing.runs, clock=timing.clock)
-    records = backends_mod.backend_records(compiled, since=marker)
 
     if cfg.recompile and name != "eager":
         # Dynamo forgets everything; Inductor's/stitchcuda's own caches stay warm.
@@ -327,8 +348,6 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
         fields["recompile_first_call_s"], _ = time_first_call(lambda: again.fn(*_clone(timing_inputs)), device)
         fields.update(_backend_share(backends_mod.backend_records(again, since=again_marker)))
         del again
-    fields["backend_records"] = records
-    fields["backend_source"] = compiled.source
     return fields
 
 
@@ -353,30 +372,36 @@ def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
     def emit(backend: str, fields: dict[str, Any]) -> None:
         sink(BenchRecord(backend=backend, **base, **fields, env=env, time_unix=time.time()))
 
+    turn = GpuTurn.from_env()
+    if turn.shared_by:
+        env["gpu_shared_by"] = turn.shared_by
     with torch.no_grad():
         started = time.perf_counter()
         try:
             problem = load_problem(cfg.spec)
-            refs = References(problem, cfg, device)
-            refs.prepare()
+            with turn:
+                refs = References(problem, cfg, device)
+                refs.prepare()
         except Exception as exc:
             fields = _error_fields(exc, prefix="loading/reference (eager) failed: ")
             for b in cfg.backends:
                 emit(b, dict(fields))
             return
         base["references_s"] = round(time.perf_counter() - started, 3)
-        flusher = L2Flusher(device) if device.type == "cuda" else None
+        with turn:
+            flusher = L2Flusher(device) if device.type == "cuda" else None
         for b in cfg.backends:
             started = time.perf_counter()
             try:
-                fields = {"status": OK, **run_backend(b, problem, refs, cfg, device, flusher)}
+                fields = {"status": OK, **run_backend(b, problem, refs, cfg, device, flusher, turn)}
             except Exception as exc:
                 fields = _error_fields(exc)
             fields.update(refs.facts(), wall_s=round(time.perf_counter() - started, 3))
             emit(b, fields)
             gc.collect()
             if device.type == "cuda":
-                torch.cuda.empty_cache()
+                with turn:
+                    torch.cuda.empty_cache()
 
 
 def _parse(argv: list[str] | None) -> tuple[TaskConfig, Path]:

@@ -39,8 +39,10 @@ def test_identical_is_bitwise_and_nan_aware():
     assert not _identical(a, a.double())
 
 
-def test_replay_stays_on_unless_running_uncaptured_is_clearly_faster(monkeypatch):
-    """The first replay's timing decides (wall clock per call, copies included)."""
+def test_replay_stays_on_unless_running_uncaptured_is_faster(monkeypatch):
+    """The first replay's timing decides (wall clock per call, copies included): the
+    faster way is kept, even by a small margin (cuDNN's choices while capturing made a
+    graph of convolutions 10% slower replayed)."""
     from stitch_backend import cudagraphs
 
     class _Program:
@@ -49,7 +51,7 @@ def test_replay_stays_on_unless_running_uncaptured_is_clearly_faster(monkeypatch
         def __init__(self):
             self.notes_sink: list[str] = []
 
-    for replay_ms, plain_ms, off in [(9.0, 3.0, True), (1.0, 0.95, False), (1.0, 2.0, False)]:
+    for replay_ms, plain_ms, off in [(9.0, 3.0, True), (9.06, 8.24, True), (1.0, 1.0, False), (1.0, 2.0, False)]:
         times = iter([replay_ms, plain_ms])
         monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: next(times))
         program = _Program()
@@ -58,7 +60,8 @@ def test_replay_stays_on_unless_running_uncaptured_is_clearly_faster(monkeypatch
         assert program.notes_sink == [f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms "
                                       "uncaptured (wall clock, median of 5, on the first replay)"]
         if off:
-            assert why.startswith("slower than running uncaptured (9.000 ms vs 3.000 ms")
+            assert why == (f"slower than running uncaptured ({replay_ms:.3f} ms vs "
+                           f"{plain_ms:.3f} ms a call)")
 
 
 def test_replay_is_not_timed_where_mutated_inputs_are_too_large_to_save(monkeypatch):

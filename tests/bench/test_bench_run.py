@@ -368,3 +368,89 @@ def test_recompile_reports_the_backends_own_warm_start(tmp_path, monkeypatch):
     result = TaskResult(task="mlp_gelu", task_run=r.task_run, records={r.backend: r})
     assert _compile_cell(result, r.backend).endswith(
         f"(backend {r.recompile_backend_s:.2f}, cache hit)")
+
+
+def test_share_gpu_deals_jobs_round_robin_with_a_turn_lock_per_shared_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    one = runner.BenchConfig(backends=["eager"], device="cuda", jobs=3, share_gpu=True, gpus=1)
+    slots = runner.plan_slots(one, tmp_path)
+    assert [s.gpu for s in slots] == ["0", "0", "0"] and {s.shared_by for s in slots} == {3}
+    assert len({s.turn_lock for s in slots}) == 1 and slots[0].turn_lock.startswith(str(tmp_path))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    two = runner.BenchConfig(backends=["eager"], device="cuda", jobs=3, share_gpu=True, gpus=2)
+    slots = runner.plan_slots(two, tmp_path)
+    assert [(s.gpu, s.shared_by, s.turn_lock is None) for s in slots] == [
+        ("4", 2, False), ("6", 1, True), ("4", 2, False)]
+    env = runner._child_env(two, tmp_path, slots[0])
+    assert env["CUDA_VISIBLE_DEVICES"] == "4" and env["STITCHCUDA_BENCH_GPU_SHARED"] == "2"
+    assert env["STITCHCUDA_BENCH_GPU_TURN"] == slots[0].turn_lock
+    assert "STITCHCUDA_BENCH_GPU_TURN" not in runner._child_env(two, tmp_path, slots[1])
+
+
+def _lock_is_held(path) -> bool:
+    import fcntl
+    import os
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_gpu_turn_is_exclusive_and_released(tmp_path):
+    from stitch_backend.bench.turns import GpuTurn
+
+    lock = str(tmp_path / "gpu0.lock")
+    turn = GpuTurn(lock)
+    assert not _lock_is_held(lock)
+    with turn:
+        assert _lock_is_held(lock)
+        with pytest.raises(RuntimeError, match="re-entrant"):
+            turn.__enter__()
+    assert not _lock_is_held(lock)
+    with GpuTurn(None):                          # not shared: nothing to take
+        pass
+
+
+def test_a_shared_task_times_in_its_turn_and_compiles_on_the_host_outside_it(tmp_path, monkeypatch):
+    """Checks and timing hold the GPU's lock; a host-compiled backend's first call (its
+    compile) does not, so other tasks' turns can overlap it. The record says the GPU
+    was shared."""
+    from stitch_backend.bench import worker
+
+    lock = str(tmp_path / "gpu0.lock")
+    monkeypatch.setenv("STITCHCUDA_BENCH_GPU_TURN", lock)
+    monkeypatch.setenv("STITCHCUDA_BENCH_GPU_SHARED", "3")
+    seen: list[tuple[str, bool]] = []
+    real_first, real_time = worker.time_first_call, worker.time_call
+
+    def first_call(fn, device):
+        seen.append(("first", _lock_is_held(lock)))
+        return real_first(fn, device)
+
+    def timed(*a, **k):
+        seen.append(("time", _lock_is_held(lock)))
+        return real_time(*a, **k)
+
+    monkeypatch.setattr(worker, "time_first_call", first_call)
+    monkeypatch.setattr(worker, "time_call", timed)
+    records = []
+    cfg = TaskConfig(spec=str(EXAMPLES["mlp_gelu"]), name="mlp_gelu", backends=["eager", "aot_eager"],
+                     device="cpu", trials=1, runs=2, warmup=1, recompile=False)
+    run_task(cfg, records.append)
+    assert all(r.status == "ok" and r.env["gpu_shared_by"] == 3 for r in records), records
+    assert seen == [("first", False), ("time", True), ("first", False), ("time", True)]
+    assert not _lock_is_held(lock)
+
+
+def test_ctrl_c_ends_the_cli_with_a_resume_hint_not_a_traceback(tmp_path, monkeypatch, capsys):
+    def interrupted(cfg, problems):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "run_bench", interrupted)
+    assert cli.run(_parse(["bench", "--suite", "examples", "--out", str(tmp_path)])) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "--resume" in err and str(tmp_path / "results.jsonl") in err
