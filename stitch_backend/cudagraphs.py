@@ -289,11 +289,29 @@ class NotCaptured(Exception):
 
 
 def _clone(value: Any) -> Any:
+    """A copy with the same sizes and strides: clone() alone makes a view with gaps (a
+    slice of a wider buffer, as Mamba2's final state is) contiguous, and the strides are
+    part of what eager returns. Outputs whose elements overlap (expanded) are cloned."""
     if isinstance(value, torch.Tensor):
-        return value.clone()
+        if value.is_contiguous() or _overlapping(value):
+            return value.clone()
+        out = torch.empty_strided(value.size(), value.stride(), dtype=value.dtype,
+                                  device=value.device)
+        return out.copy_(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_clone(v) for v in value)
     return value
+
+
+def _overlapping(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` address one element (an expanded view)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            return True
+        reach = stride * size
+    return False
 
 
 def _identical(a: Any, b: Any) -> bool:

@@ -126,3 +126,29 @@ def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
     out = replay([x, count])
     assert count.item() == 2.0
     torch.testing.assert_close(out, (x * 2.0,), rtol=0, atol=0)
+
+
+def test_outputs_handed_over_keep_eagers_strides():
+    """A replay's outputs are copies; a view with gaps keeps its strides (a contiguous
+    copy failed the stride check on KernelBench L3 Mamba2ReturnFinalState), an expanded
+    output (overlapping elements) is copied densely, containers keep their type."""
+    from stitch_backend.cudagraphs import _clone
+
+    wide = torch.randn(2, 8, 64, 48)
+    gappy = wide[..., 16:32]                       # strides (24576, 3072, 48, 1)
+    expanded = torch.randn(4, 1).expand(4, 5)
+    out = _clone((gappy, [expanded, 3]))
+    assert isinstance(out, tuple) and isinstance(out[1], list) and out[1][1] == 3
+    assert out[0].stride() == gappy.stride() and torch.equal(out[0], gappy)
+    assert out[0].data_ptr() != gappy.data_ptr()
+    assert torch.equal(out[1][0], expanded) and out[1][0].is_contiguous()
+
+
+def test_overlap_detection():
+    from stitch_backend.cudagraphs import _overlapping
+
+    assert not _overlapping(torch.randn(3, 4)[:, 1:3])
+    assert not _overlapping(torch.randn(3, 4).t())
+    assert _overlapping(torch.randn(3, 1).expand(3, 4))
+    assert _overlapping(torch.randn(10).as_strided((3, 3), (2, 1)))   # rows share elements
+    assert not _overlapping(torch.randn(1, 5)[:, :1])

@@ -54,3 +54,26 @@ def test_replay_is_turned_off_where_copies_cost_more_than_launches():
         torch.testing.assert_close(y, model(x), rtol=0, atol=0)
     notes = _replay_notes(backend)
     assert any("replay off: slower than running uncaptured" in n for n in notes), notes
+
+
+class _SlicedState(torch.nn.Module):
+    """Returns a slice of a wider intermediate, as KernelBench's Mamba2 final state is:
+    eager's output is a view with gaps in its strides."""
+
+    def forward(self, x):
+        y = torch.tanh(x) * 2.0
+        return y[..., 16:32], y.sum(-1)
+
+
+def test_replayed_outputs_keep_eagers_strides():
+    model = _SlicedState().cuda()
+    backend = StitchBackend()
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 8, 64, 48, device="cuda")
+            got, ref = compiled(x), model(x)
+            for g, r in zip(got, ref):
+                assert g.stride() == r.stride() and g.shape == r.shape
+                torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    assert any(n.startswith("CUDA graph replay on") for n in _replay_notes(backend))
