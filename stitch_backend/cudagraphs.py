@@ -208,7 +208,10 @@ class GraphReplay:
         copies the inputs in and the outputs out, which for a few kernels over large
         tensors costs more than the launches it saves, and cuDNN may choose other
         algorithms while capturing (a graph of large convolutions replayed 10% slower,
-        seen on the H200). Whichever is faster is kept. Timed here, on the user's inputs;
+        seen on the H200). Whichever is faster is kept; where that is running uncaptured,
+        the Program is also timed with every region on ATen, and where that is faster
+        still, its generated kernels are set aside (a kernel faster alone can lose in
+        context). Timed here, on the user's inputs;
         the timing runs' mutations are undone (not timed, replay kept, where the mutated
         inputs are too large to save a copy of: a KV cache, say)."""
         saved_bytes = sum(t.numel() * t.element_size() for t in targets)
@@ -218,15 +221,25 @@ class GraphReplay:
                 "would have to be saved and restored around the timing runs")
             return None
         saved = [t.clone() for t in targets]
+        program = self.program
+        aten_ms = None
         try:
             replay_ms = wall_ms(lambda: self._replay(inputs))
-            plain_ms = wall_ms(lambda: self.program.finish_call(
-                self.program.run_inputs(inputs), targets))
+            plain_ms = wall_ms(lambda: program.finish_call(program.run_inputs(inputs), targets))
+            if plain_ms < replay_ms and program.generated_steps():
+                # Uncaptured it is; are the generated kernels still worth it in context?
+                aten_ms = wall_ms(lambda: program.finish_call(
+                    program.run_inputs(inputs, on_aten=True), targets))
         finally:
             write_back(targets, saved)
-        self.program.notes_sink.append(
-            f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms uncaptured (wall clock, "
-            "median of 5, on the first replay)")
+        on_aten = "" if aten_ms is None else f", {aten_ms:.3f} ms uncaptured on ATen alone"
+        program.notes_sink.append(
+            f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms uncaptured{on_aten} "
+            "(wall clock, median of 5, on the first replay)")
+        if aten_ms is not None and aten_ms < plain_ms:
+            program.use_aten(f"the whole graph ran faster on ATen alone ({aten_ms:.3f} ms vs "
+                             f"{plain_ms:.3f} ms a call, uncaptured), so its verified kernels "
+                             "are not used")
         if plain_ms < replay_ms:
             return (f"slower than running uncaptured ({replay_ms:.3f} ms vs {plain_ms:.3f} ms "
                     "a call)")

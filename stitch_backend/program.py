@@ -174,20 +174,34 @@ class Program:
             return self.run_inputs(inputs)
 
     def run_inputs(self, inputs: Sequence[Any],
-                   observe: Callable[[Step, list[Any], Sequence[Any]], None] | None = None) -> Any:
+                   observe: Callable[[Step, list[Any], Sequence[Any]], None] | None = None,
+                   on_aten: bool = False) -> Any:
         """Run on ``inputs`` (not consumed); ``observe(step, step_inputs, outputs)`` sees
-        every step (the Verifier's hook)."""
+        every step (the Verifier's hook); ``on_aten`` runs every region's ATen ops."""
         slots: list[Any] = [None] * self.num_slots
         slots[: self.num_inputs] = list(inputs)
-        return self.run(slots, observe)
+        return self.run(slots, observe, on_aten)
 
-    def run(self, slots: list[Any], observe=None) -> Any:
+    def generated_steps(self) -> list[Step]:
+        """The steps that run something other than their region's ATen ops."""
+        return [s for s in self.steps if s.fn is not s.aten]
+
+    def use_aten(self, reason: str) -> None:
+        """Every region back on ATen (their kernels stay verified, just unused), with the
+        reason in each region's record and the graph's notes."""
+        for step in self.generated_steps():
+            step.fn = step.aten
+            step.region.backend = "aten"
+            step.region.reason = reason
+        self.notes_sink.append(f"every region on ATen: {reason}")
+
+    def run(self, slots: list[Any], observe=None, on_aten: bool = False) -> Any:
         """Execute every step over ``slots`` (inputs already placed)."""
         for s, value in self.constants:
             slots[s] = value
         for step in self.steps:
             step_inputs = [slots[s] for s in step.inputs]
-            outs = step.fn(*step_inputs)
+            outs = (step.aten if on_aten else step.fn)(*step_inputs)
             if observe is not None:
                 observe(step, step_inputs, outs)
             for s, v in zip(step.outputs, outs):

@@ -51,6 +51,9 @@ def test_replay_stays_on_unless_running_uncaptured_is_faster(monkeypatch):
         def __init__(self):
             self.notes_sink: list[str] = []
 
+        def generated_steps(self):
+            return []          # nothing generated: no run on ATen alone to time
+
     for replay_ms, plain_ms, off in [(9.0, 3.0, True), (9.06, 8.24, True), (1.0, 1.0, False), (1.0, 2.0, False)]:
         times = iter([replay_ms, plain_ms])
         monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: next(times))
@@ -152,3 +155,63 @@ def test_overlap_detection():
     assert _overlapping(torch.randn(3, 1).expand(3, 4))
     assert _overlapping(torch.randn(10).as_strided((3, 3), (2, 1)))   # rows share elements
     assert not _overlapping(torch.randn(1, 5)[:, :1])
+
+
+def test_where_uncaptured_wins_the_graph_also_races_aten_alone(monkeypatch):
+    """Replay off, then the Program uncaptured against every region on ATen: the
+    generated kernels are set aside only where ATen alone is faster, and the notes say
+    which three times decided it."""
+    from stitch_backend import cudagraphs
+
+    class _Program:
+        writebacks: list = []
+
+        def __init__(self):
+            self.notes_sink: list[str] = []
+            self.aten_reason = None
+
+        def generated_steps(self):
+            return ["a kernel"]
+
+        def use_aten(self, reason):
+            self.aten_reason = reason
+
+    for times_ms, aten_used in [((9.0, 3.0, 2.5), True), ((9.0, 3.0, 3.5), False)]:
+        times = iter(times_ms)
+        monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: next(times))
+        program = _Program()
+        why = cudagraphs.GraphReplay(program, set())._slower_than_uncaptured([], [])
+        assert why.startswith("slower than running uncaptured")
+        assert program.notes_sink == [
+            f"one call: 9.000 ms replayed, 3.000 ms uncaptured, {times_ms[2]:.3f} ms uncaptured "
+            "on ATen alone (wall clock, median of 5, on the first replay)"]
+        assert (program.aten_reason is not None) == aten_used
+        if aten_used:
+            assert program.aten_reason.startswith("the whole graph ran faster on ATen alone "
+                                                  "(2.500 ms vs 3.000 ms")
+    times = iter((1.0, 3.0))                       # replay wins: ATen alone is not timed
+    monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: next(times))
+    program = _Program()
+    assert cudagraphs.GraphReplay(program, set())._slower_than_uncaptured([], []) is None
+    assert program.aten_reason is None
+
+
+def test_a_program_runs_on_aten_alone_when_asked_and_can_give_up_its_kernels():
+    from stitch_backend.agents.planner import partition
+    from stitch_backend.program import Program
+
+    gm = make_fx(lambda x: (torch.sin(x) * 2.0,))(torch.randn(5))
+    plan = partition(gm, graph_name="g")
+    rid = plan.regions[0].id
+    wrong = lambda *a: [torch.zeros(5)]            # a stand-in "kernel", told apart by its output
+    program = Program(gm, plan, implementations={rid: wrong})
+    x = torch.randn(5)
+    assert [s.region.id for s in program.generated_steps()] == [rid]
+    assert torch.equal(program.run_inputs([x])[0], torch.zeros(5))
+    torch.testing.assert_close(program.run_inputs([x], on_aten=True)[0], torch.sin(x) * 2.0)
+    program.use_aten("measured slower in context")
+    assert program.generated_steps() == []
+    assert program.steps[0].region.backend == "aten"
+    assert program.steps[0].region.reason == "measured slower in context"
+    assert program.notes_sink == ["every region on ATen: measured slower in context"]
+    torch.testing.assert_close(program.run_inputs([x])[0], torch.sin(x) * 2.0)
