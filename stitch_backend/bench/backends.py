@@ -64,12 +64,24 @@ def validate_backends(names: list[str]) -> list[str]:
         base, options = split_options(n)
         if options and BUILTIN.get(base, (base, None))[0] is None:
             raise UnknownBackendError(f"{n!r}: eager takes no options")
+        if options and base == "stitchcuda":
+            _check_stitchcuda_options(n, options)
         if base not in BUILTIN and base not in registered:
             raise UnknownBackendError(
                 f"unknown backend {n!r}; valid: {', '.join(BUILTIN)} or a Dynamo backend "
                 f"({', '.join(sorted(registered))})")
         out.append(n)
     return out
+
+
+def _check_stitchcuda_options(name: str, options: dict[str, Any]) -> None:
+    """An unknown or mistyped stitchcuda option is a usage error before any task runs."""
+    from ..config import Config, InvalidOptionError
+
+    try:
+        Config().with_options(options)
+    except InvalidOptionError as exc:
+        raise UnknownBackendError(f"{name!r}: {exc}") from None
 
 
 def resolve_dynamo_backend(name: str) -> tuple[Any, str]:
@@ -106,16 +118,19 @@ def wrap(name: str, model: torch.nn.Module) -> Compiled:
 
 
 def split_options(name: str) -> tuple[str, dict[str, Any]]:
-    """``"stitchcuda:split_stats=1+verify=0"`` -> ("stitchcuda", {"split_stats": True,
-    "verify": False}): one backend under two settings, side by side in one run. Values
-    parse as bool (1/0/true/false), int, float, else string."""
+    """``"stitchcuda:split_stats=1+verify=0"`` -> ("stitchcuda", {"split_stats": "1",
+    "verify": "0"}): one backend under two settings, side by side in one run. stitchcuda's
+    values stay strings, parsed by its own Config by each option's type (so
+    ``cache_dir=1`` is a folder named 1); other backends' values parse as bool
+    (1/0/true/false), int, float, else string."""
     base, _, rest = name.partition(":")
     options: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in rest.split("+"))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise UnknownBackendError(f"{name!r}: options are KEY=VALUE pairs, got {item!r}")
-        options[key.strip()] = _option_value(value.strip())
+        value = value.strip()
+        options[key.strip()] = value if base == "stitchcuda" else _option_value(value)
     return base, options
 
 

@@ -12,8 +12,15 @@ from stitch_backend.bench.profile import main as profile_main
 
 def test_backend_options_parse_and_validate():
     assert backends.split_options("stitchcuda") == ("stitchcuda", {})
-    assert backends.split_options("stitchcuda:split_stats=1+verify=off+compile_workers=4") == (
-        "stitchcuda", {"split_stats": True, "verify": False, "compile_workers": 4})
+    # stitchcuda's values stay strings: its Config parses each by the option's type
+    assert backends.split_options("stitchcuda:split_stats=1+verify=off+cache_dir=1") == (
+        "stitchcuda", {"split_stats": "1", "verify": "off", "cache_dir": "1"})
+    from stitch_backend.config import Config
+    cfg = Config().with_options(backends.split_options("stitchcuda:split_stats=1+cache_dir=1")[1])
+    assert cfg.split_stats is True and cfg.cache_dir == "1"
+    # another backend's values are guessed: 1 -> True, 4 -> 4
+    assert backends.split_options("inductor:x=1+y=4+z=0.5+w=abc")[1] == {
+        "x": True, "y": 4, "z": 0.5, "w": "abc"}
     assert backends.validate_backends(["stitchcuda:split_stats=1", "stitchcuda"]) == [
         "eager", "stitchcuda:split_stats=1", "stitchcuda"]
     with pytest.raises(backends.UnknownBackendError, match="KEY=VALUE"):
@@ -22,6 +29,10 @@ def test_backend_options_parse_and_validate():
         backends.validate_backends(["eager:x=1"])
     with pytest.raises(backends.UnknownBackendError, match="unknown backend"):
         backends.validate_backends(["nope:x=1"])
+    with pytest.raises(backends.UnknownBackendError, match="Did you mean 'split_stats'"):
+        backends.validate_backends(["stitchcuda:split_stat=1"])
+    with pytest.raises(backends.UnknownBackendError, match="expected a boolean"):
+        backends.validate_backends(["stitchcuda:split_stats=maybe"])
 
 
 def test_options_reach_the_backend():
