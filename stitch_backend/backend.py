@@ -26,6 +26,8 @@ from .decompositions import decomposition_table
 from .exc import InvalidOptionError
 from .graph import GraphKey, graph_key
 from .ir import Plan, RegionKind
+from .memplan import MemoryEstimate
+from .memplan import estimate as estimate_memory
 from .mutations import Writeback, strip_input_mutations
 from .program import Program
 
@@ -56,13 +58,25 @@ class GraphRecord:
     def name(self) -> str:
         return f"graph {self.index} ({self.stage})"
 
+    def memory(self) -> MemoryEstimate | None:
+        """The static peak-memory estimate as the regions run now (None without the graph;
+        an estimate that failed says why in its line)."""
+        if self.gm is None:
+            return None
+        try:
+            return estimate_memory(self.gm, self.plan)
+        except Exception as err:  # noqa: BLE001 - a report line, never a failed compile
+            return MemoryEstimate(None, None, f"{type(err).__name__}: {err}")
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able summary (the plan's regions in full)."""
+        memory = self.memory()
         return {
             "index": self.index, "stage": self.stage, "key": self.key.digest,
             "device": self.device, "dynamic": self.dynamic, "cached": self.cached,
             "compile_ms": round(self.compile_ms, 3), "notes": list(self.notes),
             "counts": self.plan.counts(),
+            "memory": memory.to_dict() if memory is not None else None,
             "regions": [r.to_dict() for r in self.plan.regions],
         }
 

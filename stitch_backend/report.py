@@ -25,6 +25,9 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
                      f"key {rec.key.short}; planned in {rec.compile_ms:.1f} ms")
         for note in rec.notes:
             lines.append(f"  note: {note}")
+        memory = rec.memory()
+        if memory is not None:
+            lines.append(f"  {memory.line()}")
         for region in rec.plan.regions:
             ops = [o.removeprefix("aten.").removesuffix(".default") for o in region.ops]
             shown = ", ".join(ops[:max_ops]) + (f", ... (+{len(ops) - max_ops})"
