@@ -51,8 +51,11 @@ class GraphRecord:
     compile_ms: float
     notes: list[str] = field(default_factory=list)
     cached: bool = False       # loaded from the artifact cache
+    # The eager guard found the graph as Dynamo traced it faster: it runs as written.
+    runs_as_traced: bool = False
     # The ATen graph itself, for ``explain --emit-dir`` and tests; not serialised.
     gm: Any = field(default=None, repr=False, compare=False)
+    program: Any = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -75,6 +78,7 @@ class GraphRecord:
             "index": self.index, "stage": self.stage, "key": self.key.digest,
             "device": self.device, "dynamic": self.dynamic, "cached": self.cached,
             "compile_ms": round(self.compile_ms, 3), "notes": list(self.notes),
+            "runs_as_traced": self.runs_as_traced,
             "counts": self.plan.counts(),
             "memory": memory.to_dict() if memory is not None else None,
             "regions": [r.to_dict() for r in self.plan.regions],
@@ -122,7 +126,23 @@ class StitchBackend:
             # when replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
             keep_inference_input_mutations=True,
         )
-        return aot(gm, example_inputs)
+        first = len(self.records)
+        compiled = aot(gm, example_inputs)
+        return self._guarded(gm, compiled, self.records[first:])
+
+    def _guarded(self, gm: torch.fx.GraphModule, compiled: Callable,
+                 records: list[GraphRecord]) -> Callable:
+        """``compiled``, or an EagerGuard that times it against ``gm`` as traced (eager,
+        undecomposed) once its Programs have settled and keeps the faster."""
+        from . import eager_guard
+
+        if not self.config.eager_guard:
+            return compiled
+        why = eager_guard.ineligible(records)
+        if why is not None:
+            log.debug("eager guard off for %s: %s", [r.name for r in records], why)
+            return compiled
+        return eager_guard.EagerGuard(gm, compiled, records)
 
     def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         try:
@@ -182,6 +202,7 @@ class StitchBackend:
             program = self._build(gm, plan, key, arch, record,
                                   graph_timing=replay_why is None)
         program.notes_sink = record.notes
+        record.program = program
         program.recheck_shapes = dynamic
         program.writebacks = list(writebacks or [])
         if writebacks:

@@ -61,6 +61,12 @@ class Config:
         metadata=_meta("STITCHCUDA_CUDAGRAPHS_TRAINING", True,
                        "Also capture training graphs (off by default, as DESIGN.md says)."),
     )
+    eager_guard: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_EAGER_GUARD", False,
+                       "Time each CUDA inference graph, once settled, against the graph as "
+                       "traced (eager, undecomposed) and run whichever is faster."),
+    )
     fold_batchnorm: bool = field(
         default=True,
         metadata=_meta("STITCHCUDA_FOLD_BATCHNORM", True,
@@ -77,7 +83,7 @@ class Config:
         metadata=_meta("STITCHCUDA_CPU_INTERPRET", True,
                        "Testing aid: on CPU inputs, run generated kernels through the kernel-IR "
                        "interpreter, so the Coder/Verifier/Program pipeline runs without a "
-                       "GPU. Never faster than ATen; nothing is cached in this mode."),
+                       "GPU. Never faster than ATen."),
     )
     # Precision: defaults follow eager under the user's settings (DESIGN.md). The
     # looser modes are opt-in by name.

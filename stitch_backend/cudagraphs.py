@@ -286,13 +286,14 @@ def wall_ms(fn: Callable[[], Any], runs: int = 5) -> float:
     import statistics
     import time
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     times = []
     for _ in range(runs):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

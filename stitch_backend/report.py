@@ -23,6 +23,9 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
         lines.append(f"\n{rec.name}: {len(rec.plan.regions)} regions ({kinds}); "
                      f"{counts['generated']} generated; device {rec.device}{dyn}; "
                      f"key {rec.key.short}; planned in {rec.compile_ms:.1f} ms")
+        if getattr(rec, "runs_as_traced", False):
+            lines.append("  runs as traced by Dynamo (eager, undecomposed): faster than "
+                         "its stitched Program, which is set aside (see the notes)")
         for note in rec.notes:
             lines.append(f"  note: {note}")
         memory = rec.memory()
@@ -32,14 +35,15 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
             ops = [o.removeprefix("aten.").removesuffix(".default") for o in region.ops]
             shown = ", ".join(ops[:max_ops]) + (f", ... (+{len(ops) - max_ops})"
                                                  if len(ops) > max_ops else "")
-            runs = region.kernel or region.backend
+            runs = region.kernel if region.backend != "aten" and region.kernel else region.backend
             line = f"  [{region.id:3d}] {region.kind.value:9s} {runs:10s} {shown}"
             if region.speedup is not None:
                 line += f"  ({region.speedup:.2f}x eager)"
             lines.append(line)
             if region.kind is RegionKind.FALLBACK and region.reason:
                 lines.append(f"        fallback: {region.reason}")
-            elif region.backend == "aten" and region.reason and region.reason not in rec.notes:
+            elif region.backend == "aten" and region.reason and not any(
+                    region.reason in note for note in rec.notes):
                 lines.append(f"        on ATen: {region.reason}")
     return "\n".join(lines)
 

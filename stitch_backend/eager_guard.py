@@ -1,0 +1,115 @@
+"""The last line of "never slower than eager": the traced module as written, kept beside
+its stitched Programs and timed against them once they have settled.
+
+Every region is verified faster than its ATen ops, and a Program that loses in context
+falls back to ATen (cudagraphs.py), but that ATen is the *decomposed* graph: softplus
+there is four kernels where eager runs one, cross-entropy six. So for a Dynamo graph
+whose ATen graphs are all inference graphs on CUDA, the guard also times the graph as
+Dynamo traced it (undecomposed, eager) on the user's first real inputs, once the
+Programs are verified and their replay decided; when that is faster by more than
+``MARGIN``, the graph runs as written from then on, said in each record's notes and
+regions. Timing calls both ways more than once, so graphs that mutate their inputs
+(BatchNorm's running statistics) or draw random numbers are left alone, as are graphs
+with symbolic sizes (one shape's timing would decide for all).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+from . import cudagraphs
+from .opclass import OpClass, classify
+
+log = logging.getLogger("stitch_backend.eager_guard")
+
+# Devices whose graphs are guarded (tests add "cpu" to exercise the guard on CPU).
+DEVICES: tuple[str, ...] = ("cuda",)
+# Eager must be this much faster (a fraction) before the graph runs as written.
+MARGIN = 0.03
+# Decide at the latest on this call, settled or not (a Program that never settles).
+LATEST_CALL = 8
+
+
+def ineligible(records: Sequence[Any]) -> str | None:
+    """Why the Dynamo graph that produced ``records`` is not guarded (None: it is)."""
+    if not records:
+        return "no stitched graph"
+    for rec in records:
+        if rec.stage != "inference":
+            return "training graphs (forward and backward) are not timed against eager"
+        if rec.device not in DEVICES:
+            return f"inputs are on {rec.device}"
+        if rec.dynamic:
+            return "symbolic sizes: one shape's timing would decide for every shape"
+        if rec.program is None or rec.program.writebacks:
+            return "the graph mutates its inputs: timing calls would repeat the mutation"
+        if rec.gm is not None and any(n.op == "call_function" and classify(n) is OpClass.RANDOM
+                                      for n in rec.gm.graph.nodes):
+            return "the graph draws random numbers: timing calls would advance the generator"
+    return None
+
+
+class EagerGuard:
+    """Called by Dynamo in place of the compiled graph: runs ``compiled`` until its
+    Programs have settled, then times it against ``eager`` once and keeps the faster."""
+
+    def __init__(self, eager: Callable[..., Any], compiled: Callable[..., Any],
+                 records: Sequence[Any]):
+        self.eager = eager
+        self.compiled = compiled
+        self.records = list(records)
+        self.calls = 0
+        self.choice: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.choice is not None:
+            return self.choice(*args)
+        self.calls += 1
+        if self.calls < LATEST_CALL and not self._settled():
+            return self.compiled(*args)
+        try:
+            self.choice = self._decide(args)
+        except Exception as err:  # noqa: BLE001 - the timing must not break the model
+            self.choice = self.compiled
+            self._note(f"eager guard: timing failed ({type(err).__name__}: {err}); the "
+                       "stitched graph is kept")
+        return self.choice(*args)
+
+    def _settled(self) -> bool:
+        """Verification done and CUDA graph replay decided for every Program."""
+        for rec in self.records:
+            program = rec.program
+            if program.pending:
+                return False
+            replay = program.replay
+            if replay is not None and replay.disabled is None and not replay.checked:
+                return False
+        return self.calls > 1
+
+    def _decide(self, args: Sequence[Any]) -> Callable[..., Any]:
+        stitched_ms, eager_ms = [], []
+        for _ in range(2):  # interleaved, so a clock or load drift hits both
+            stitched_ms.append(cudagraphs.wall_ms(lambda: self.compiled(*args)))
+            eager_ms.append(cudagraphs.wall_ms(lambda: self.eager(*args)))
+        stitched, eager = min(stitched_ms), min(eager_ms)
+        timing = (f"{stitched:.3f} ms stitched vs {eager:.3f} ms for the graph as traced "
+                  "(eager, undecomposed; wall clock, best of two medians of 5)")
+        if eager < stitched * (1 - MARGIN):
+            why = ("the graph runs as Dynamo traced it (eager, undecomposed), which was "
+                   f"faster than its stitched Program: {timing}")
+            log.warning("stitchcuda: %s runs as written: %s",
+                        ", ".join(r.name for r in self.records), why)
+            for rec in self.records:
+                rec.program.use_aten(why)   # the report shows no kernel in use
+                for region in rec.plan.regions:
+                    if region.backend == "aten" and region.reason is None:
+                        region.reason = why
+                rec.runs_as_traced = True
+            return self.eager
+        self._note(f"eager guard: stitched kept, {timing}")
+        return self.compiled
+
+    def _note(self, text: str) -> None:
+        for rec in self.records:
+            rec.notes.append(text)

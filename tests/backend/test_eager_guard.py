@@ -1,0 +1,169 @@
+"""The eager guard: a settled inference graph is timed against the graph as Dynamo traced
+it, and the faster one runs from then on, said in the report."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stitch_backend import eager_guard
+from stitch_backend.backend import StitchBackend
+
+ON = {"cpu_interpret": True, "require_speedup": False, "eager_guard": True}
+
+
+class Softplus(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.softplus(x) * 2 + 1
+
+
+@pytest.fixture
+def guard_on_cpu(monkeypatch):
+    """Guard CPU graphs too, and time with a script: wall_ms(fn) runs fn once (so the
+    calls are real) and returns the next scripted time."""
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
+    timings: list[float] = []
+    seen: list[int] = []
+
+    def fake_wall_ms(fn, runs=5):
+        fn()
+        seen.append(1)
+        return timings.pop(0)
+
+    monkeypatch.setattr(eager_guard.cudagraphs, "wall_ms", fake_wall_ms)
+    return timings, seen
+
+
+def _run(model, x, options, calls=5):
+    backend = StitchBackend(options=options)
+    compiled = torch.compile(model, backend=backend)
+    outs = []
+    with torch.no_grad():
+        for _ in range(calls):
+            outs.append(compiled(x))
+        want = model(x)
+    for out in outs:
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    return backend
+
+
+def test_faster_eager_runs_the_graph_as_traced(guard_on_cpu):
+    timings, _ = guard_on_cpu
+    timings += [2.0, 1.0, 2.1, 1.1]   # stitched, eager, stitched, eager
+    backend = _run(Softplus(), torch.randn(16, 32), ON)
+    (rec,) = backend.records
+    assert rec.runs_as_traced and rec.to_dict()["runs_as_traced"]
+    assert rec.plan.counts()["generated"] == 0
+    assert any("2.000 ms stitched vs 1.000 ms" in n for n in rec.notes)
+    assert "runs as traced by Dynamo" in backend.report()
+    assert all("Dynamo traced" in r.reason for r in rec.plan.regions)
+
+
+def test_stitched_kept_when_not_clearly_slower(guard_on_cpu):
+    timings, _ = guard_on_cpu
+    timings += [1.0, 0.98, 1.0, 0.99]   # eager 2% faster: inside the 3% margin
+    backend = _run(Softplus(), torch.randn(16, 32), ON)
+    (rec,) = backend.records
+    assert not rec.runs_as_traced
+    assert rec.plan.counts()["generated"] > 0
+    assert any(n.startswith("eager guard: stitched kept, 1.000 ms stitched vs 0.980 ms")
+               for n in rec.notes)
+
+
+def test_decides_once_after_verification(guard_on_cpu):
+    timings, seen = guard_on_cpu
+    timings += [1.0, 2.0, 1.0, 2.0]
+    backend = StitchBackend(options=ON)
+    compiled = torch.compile(Softplus(), backend=backend)
+    x = torch.randn(8, 8)
+    with torch.no_grad():
+        compiled(x)                  # verification call: nothing timed yet
+        assert not seen
+        assert backend.records[0].program.pending == {}
+        compiled(x)                  # settled: timed now, four timings
+        assert len(seen) == 4
+        for _ in range(3):
+            compiled(x)
+    assert len(seen) == 4 and not timings
+
+
+def test_timing_failure_keeps_the_stitched_graph(monkeypatch):
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
+
+    def broken(fn, runs=5):
+        raise RuntimeError("clock broke")
+
+    monkeypatch.setattr(eager_guard.cudagraphs, "wall_ms", broken)
+    backend = _run(Softplus(), torch.randn(16, 32), ON)
+    (rec,) = backend.records
+    assert not rec.runs_as_traced and rec.plan.counts()["generated"] > 0
+    assert any("timing failed (RuntimeError: clock broke)" in n for n in rec.notes)
+
+
+def test_option_off_and_cpu_graphs_are_not_guarded(monkeypatch):
+    calls = []
+    monkeypatch.setattr(eager_guard.cudagraphs, "wall_ms", lambda fn, runs=5: calls.append(1))
+    _run(Softplus(), torch.randn(4, 4), ON)                        # cpu is not in DEVICES
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
+    _run(Softplus(), torch.randn(4, 4), dict(ON, eager_guard=False))
+    assert not calls
+
+
+class BatchNormTrain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(x).relu()
+
+
+class Dropout(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.5, training=True) + 1
+
+
+def _records(model, x, grad=False):
+    backend = StitchBackend(options={"codegen": False})
+    compiled = torch.compile(model, backend=backend)
+    with torch.set_grad_enabled(grad):
+        compiled(x)
+    return backend.records
+
+
+def test_ineligible_graphs_say_why(monkeypatch):
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
+    x = torch.randn(4, 8)
+    assert eager_guard.ineligible(_records(Softplus(), x)) is None
+    assert "mutates its inputs" in eager_guard.ineligible(_records(BatchNormTrain(), x))
+    assert "random numbers" in eager_guard.ineligible(_records(Dropout(), x))
+    lin = torch.nn.Linear(8, 8)
+    assert "training graphs" in eager_guard.ineligible(_records(lin, x, grad=True))
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda",))
+    assert "inputs are on cpu" in eager_guard.ineligible(_records(Softplus(), x))
+    assert eager_guard.ineligible([]) == "no stitched graph"
+
+
+@pytest.mark.gpu
+def test_gpu_decomposed_aten_loses_to_the_graph_as_traced():
+    """codegen off: the Program is softplus decomposed (four passes over 64M floats),
+    the traced graph one softplus kernel: the guard must pick the latter."""
+    backend = _run(Softplus(), torch.randn(8192, 8192, device="cuda"),
+                   {"codegen": False, "eager_guard": True}, calls=6)
+    (rec,) = backend.records
+    assert rec.runs_as_traced, rec.notes
+
+
+@pytest.mark.gpu
+def test_gpu_fused_chain_keeps_its_kernel():
+    """Eight pointwise ops over 64M floats: one generated pass against eight eager ones."""
+
+    class Chain(torch.nn.Module):
+        def forward(self, x):
+            return ((x * 1.5 + 2).sigmoid() * x - 0.5).relu().exp().clamp(max=4.0)
+
+    backend = _run(Chain(), torch.randn(8192, 8192, device="cuda"),
+                   {"eager_guard": True}, calls=6)
+    (rec,) = backend.records
+    assert not rec.runs_as_traced and rec.plan.counts()["generated"] > 0, rec.notes
+    assert any(n.startswith("eager guard: stitched kept") for n in rec.notes)
