@@ -28,7 +28,7 @@ from .graph import GraphKey, graph_key
 from .ir import Plan, RegionKind
 from .memplan import MemoryEstimate
 from .memplan import estimate as estimate_memory
-from .mutations import Writeback, strip_input_mutations
+from .mutations import Writeback, aot_mutated_inputs, strip_input_mutations
 from .program import Program
 
 log = logging.getLogger("stitch_backend.backend")
@@ -56,6 +56,9 @@ class GraphRecord:
     # The ATen graph itself, for ``explain --emit-dir`` and tests; not serialised.
     gm: Any = field(default=None, repr=False, compare=False)
     program: Any = field(default=None, repr=False, compare=False)
+    # Inputs AOTAutograd saw mutated (None: unknown); more than the Program's writebacks
+    # means AOTAutograd applies some outside the graph.
+    aot_mutations: int | None = None
 
     @property
     def name(self) -> str:
@@ -173,7 +176,8 @@ class StitchBackend:
         arch = self._arch(device)
         key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
         record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
-                             dynamic=dynamic, compile_ms=0.0, gm=gm)
+                             dynamic=dynamic, compile_ms=0.0, gm=gm,
+                             aot_mutations=aot_mutated_inputs())
         notes = record.notes
         replay_why = (self._replay_ineligible(gm, example_inputs, record)
                       if device == "cuda" else "not a CUDA graph")

@@ -8,15 +8,18 @@ whose ATen graphs are all inference graphs on CUDA, the guard also times the gra
 Dynamo traced it (undecomposed, eager) on the user's first real inputs, once the
 Programs are verified and their replay decided; when that is faster by more than
 ``MARGIN``, the graph runs as written from then on, said in each record's notes and
-regions. Timing calls both ways more than once, so graphs that mutate their inputs
-(BatchNorm's running statistics) or draw random numbers are left alone, as are graphs
-with symbolic sizes (one shape's timing would decide for all).
+regions. The timing calls both ways more than once: the inputs a graph mutates
+(BatchNorm's running statistics) are saved before and restored after them, so the
+user's call applies its update once; graphs that draw random numbers are left alone, as
+are graphs with symbolic sizes (one shape's timing would decide for all).
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Sequence
+
+import torch
 
 from . import cudagraphs
 from .opclass import OpClass, classify
@@ -42,8 +45,11 @@ def ineligible(records: Sequence[Any]) -> str | None:
             return f"inputs are on {rec.device}"
         if rec.dynamic:
             return "symbolic sizes: one shape's timing would decide for every shape"
-        if rec.program is None or rec.program.writebacks:
-            return "the graph mutates its inputs: timing calls would repeat the mutation"
+        if rec.program is None:
+            return "no Program"
+        if rec.program.writebacks and rec.aot_mutations != len(rec.program.writebacks):
+            return ("AOTAutograd applies some input mutations outside the graph: timing calls "
+                    "could not undo them")
         if rec.gm is not None and any(n.op == "call_function" and classify(n) is OpClass.RANDOM
                                       for n in rec.gm.graph.nodes):
             return "the graph draws random numbers: timing calls would advance the generator"
@@ -68,13 +74,24 @@ class EagerGuard:
         self.calls += 1
         if self.calls < LATEST_CALL and not self._settled():
             return self.compiled(*args)
+        # This call's own run, watched for the inputs it mutates; then the timing.
+        targets: list[torch.Tensor] = []
+        self._watch(targets)
         try:
-            self.choice = self._decide(args)
+            out = self.compiled(*args)
+        finally:
+            self._watch(None)
+        try:
+            self.choice = self._decide(args, targets)
         except Exception as err:  # noqa: BLE001 - the timing must not break the model
             self.choice = self.compiled
             self._note(f"eager guard: timing failed ({type(err).__name__}: {err}); the "
                        "stitched graph is kept")
-        return self.choice(*args)
+        return out
+
+    def _watch(self, targets: list[torch.Tensor] | None) -> None:
+        for rec in self.records:
+            rec.program.seen_targets = targets
 
     def _settled(self) -> bool:
         """Verification done and CUDA graph replay decided for every Program."""
@@ -87,11 +104,24 @@ class EagerGuard:
                 return False
         return self.calls > 1
 
-    def _decide(self, args: Sequence[Any]) -> Callable[..., Any]:
+    def _decide(self, args: Sequence[Any], targets: list[torch.Tensor]) -> Callable[..., Any]:
+        """Time both ways on ``args`` and keep the faster; ``targets`` (the inputs the
+        graph mutates, as the call before left them) are put back after the timing runs."""
+        saved_bytes = sum(t.numel() * t.element_size() for t in targets)
+        if saved_bytes > cudagraphs.SNAPSHOT_LIMIT:
+            self._note(f"eager guard: not timed, {saved_bytes / 2**20:.0f} MiB of mutated "
+                       "inputs would have to be saved and restored; the stitched graph is kept")
+            return self.compiled
+        saved = [t.clone() for t in targets]
         stitched_ms, eager_ms = [], []
-        for _ in range(2):  # interleaved, so a clock or load drift hits both
-            stitched_ms.append(cudagraphs.wall_ms(lambda: self.compiled(*args)))
-            eager_ms.append(cudagraphs.wall_ms(lambda: self.eager(*args)))
+        try:
+            for _ in range(2):  # interleaved, so a clock or load drift hits both
+                stitched_ms.append(cudagraphs.wall_ms(lambda: self.compiled(*args)))
+                eager_ms.append(cudagraphs.wall_ms(lambda: self.eager(*args)))
+        finally:
+            with torch.no_grad():
+                for t, value in zip(targets, saved):
+                    t.copy_(value)
         stitched, eager = min(stitched_ms), min(eager_ms)
         timing = (f"{stitched:.3f} ms stitched vs {eager:.3f} ms for the graph as traced "
                   "(eager, undecomposed; wall clock, best of two medians of 5)")

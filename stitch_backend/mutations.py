@@ -128,3 +128,16 @@ def split_outputs(outputs: Any, writebacks: Sequence[Writeback]) -> tuple[Any, l
     own = outputs[:first]
     return (tuple(own) if isinstance(outputs, tuple) else list(own)), \
         [outputs[w.output_index] for w in writebacks]
+
+
+def aot_mutated_inputs() -> int | None:
+    """How many inputs of the graph AOTAutograd is compiling now it found mutated (data or
+    metadata), from its tracing context; None where that is not readable."""
+    try:
+        ctx = torch._guards.TracingContext.try_get()
+        if ctx is None or ctx.fw_metadata is None:
+            return None
+        return sum(1 for info in ctx.fw_metadata.input_info
+                   if info.mutates_data or info.mutates_metadata)
+    except AttributeError:
+        return None

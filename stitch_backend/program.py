@@ -60,6 +60,9 @@ class Program:
         # values after its own outputs and each call writes them back.
         self.writebacks: list[Writeback] = []
         self.calls = 0
+        # When a list: each call appends the inputs it mutates (the eager guard saves
+        # and restores them around its timing runs).
+        self.seen_targets: list[torch.Tensor] | None = None
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
         self._boxed_call = True
@@ -111,6 +114,8 @@ class Program:
         else:
             inputs = list(call_args)
         targets = [inputs[w.input_index] for w in self.writebacks]
+        if self.seen_targets is not None:
+            self.seen_targets.extend(targets)
         if self.pending and self._verify is not None:
             return self.finish_call(self._verify_or_aten(inputs), targets)
         if self.recheck_shapes and self._verify is not None:

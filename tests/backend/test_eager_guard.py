@@ -80,7 +80,7 @@ def test_decides_once_after_verification(guard_on_cpu):
         compiled(x)                  # verification call: nothing timed yet
         assert not seen
         assert backend.records[0].program.pending == {}
-        compiled(x)                  # settled: timed now, four timings
+        compiled(x)                  # settled: its own run, then four timings
         assert len(seen) == 4
         for _ in range(3):
             compiled(x)
@@ -135,13 +135,37 @@ def test_ineligible_graphs_say_why(monkeypatch):
     monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
     x = torch.randn(4, 8)
     assert eager_guard.ineligible(_records(Softplus(), x)) is None
-    assert "mutates its inputs" in eager_guard.ineligible(_records(BatchNormTrain(), x))
+    assert eager_guard.ineligible(_records(BatchNormTrain(), x)) is None  # saved, restored
     assert "random numbers" in eager_guard.ineligible(_records(Dropout(), x))
     lin = torch.nn.Linear(8, 8)
     assert "training graphs" in eager_guard.ineligible(_records(lin, x, grad=True))
     monkeypatch.setattr(eager_guard, "DEVICES", ("cuda",))
     assert "inputs are on cpu" in eager_guard.ineligible(_records(Softplus(), x))
     assert eager_guard.ineligible([]) == "no stitched graph"
+
+
+@pytest.mark.parametrize("timings,traced", [([2.0, 1.0, 2.0, 1.0], True),
+                                            ([1.0, 2.0, 1.0, 2.0], False)])
+def test_mutated_inputs_are_updated_once_per_call(guard_on_cpu, timings, traced):
+    """BatchNorm in training mode under no_grad: the timing runs update the running
+    statistics many times; they are put back, so after five calls the statistics are
+    eager's after five calls, whichever way the guard went."""
+    scripted, _ = guard_on_cpu
+    scripted += timings
+    torch.manual_seed(0)
+    model, reference = BatchNormTrain(), BatchNormTrain()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(16, 8)
+    backend = StitchBackend(options=ON)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(5):
+            torch.testing.assert_close(compiled(x), reference(x), atol=1e-5, rtol=1e-5)
+    (rec,) = backend.records
+    assert rec.program.writebacks and rec.runs_as_traced is traced and not scripted
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(reference.bn, name))
+    assert int(model.bn.num_batches_tracked) == 5
 
 
 @pytest.mark.gpu
@@ -167,3 +191,24 @@ def test_gpu_fused_chain_keeps_its_kernel():
     (rec,) = backend.records
     assert not rec.runs_as_traced and rec.plan.counts()["generated"] > 0, rec.notes
     assert any(n.startswith("eager guard: stitched kept") for n in rec.notes)
+
+
+@pytest.mark.gpu
+def test_gpu_batchnorm_training_statistics_updated_once_per_call():
+    """The guard's timing runs on a graph that mutates its running statistics (L1
+    BatchNorm's case): after six calls they are eager's after six calls."""
+    torch.manual_seed(0)
+    model = torch.nn.BatchNorm2d(32).cuda()
+    reference = torch.nn.BatchNorm2d(32).cuda()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(32, 32, 128, 128, device="cuda")
+    backend = StitchBackend(options={"eager_guard": True})
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(compiled(x), reference(x), atol=1e-4, rtol=1e-4)
+    (rec,) = backend.records
+    assert any(n.startswith("eager guard") or "Dynamo traced" in n for n in rec.notes), rec.notes
+    torch.testing.assert_close(model.running_mean, reference.running_mean, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.running_var, reference.running_var, atol=1e-5, rtol=1e-5)
+    assert int(model.num_batches_tracked) == 6
