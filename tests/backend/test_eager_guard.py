@@ -59,15 +59,18 @@ def test_faster_eager_runs_the_graph_as_traced(guard_on_cpu):
     assert all("Dynamo traced" in r.reason for r in rec.plan.regions)
 
 
-def test_stitched_kept_when_not_clearly_slower(guard_on_cpu):
-    timings, _ = guard_on_cpu
-    timings += [1.0, 0.98, 1.0, 0.99]   # eager 2% faster: inside the 3% margin
+@pytest.mark.parametrize("timings,traced", [([1.0, 1.0, 1.1, 1.0], False),   # a tie
+                                            ([1.0, 0.99, 1.0, 0.99], True)])  # 1% loss
+def test_a_tie_keeps_the_stitched_graph_a_loss_does_not(guard_on_cpu, timings, traced):
+    scripted, _ = guard_on_cpu
+    scripted += timings
     backend = _run(Softplus(), torch.randn(16, 32), ON)
     (rec,) = backend.records
-    assert not rec.runs_as_traced
-    assert rec.plan.counts()["generated"] > 0
-    assert any(n.startswith("eager guard: stitched kept, 1.000 ms stitched vs 0.980 ms")
-               for n in rec.notes)
+    assert rec.runs_as_traced is traced
+    assert (rec.plan.counts()["generated"] > 0) is not traced
+    if not traced:
+        assert any(n.startswith("eager guard: stitched kept, 1.000 ms stitched vs 1.000 ms")
+                   for n in rec.notes)
 
 
 def test_decides_once_after_verification(guard_on_cpu):
