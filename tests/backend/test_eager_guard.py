@@ -90,6 +90,14 @@ def test_decides_once_after_verification(guard_on_cpu):
     assert len(seen) == 4 and not timings
 
 
+def test_all_aten_program_runs_as_traced_without_timing(guard_on_cpu):
+    _, seen = guard_on_cpu
+    backend = _run(Softplus(), torch.randn(16, 32), dict(ON, codegen=False))
+    (rec,) = backend.records
+    assert rec.runs_as_traced and not seen
+    assert any("no region runs a generated kernel" in n for n in rec.notes)
+
+
 def test_timing_failure_keeps_the_stitched_graph(monkeypatch):
     monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
 
