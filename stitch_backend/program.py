@@ -9,6 +9,7 @@ AOTAutograd with a boxed list of inputs and returns the graph's outputs.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -22,6 +23,10 @@ from .regions import region_module
 
 log = logging.getLogger("stitch_backend.program")
 
+# Run verified Programs as one straight-line function (False: the step loop always; the
+# host-overhead benchmark, ``python -m stitch_backend.bench.overhead``, compares both).
+STRAIGHT_LINE = True
+
 
 @dataclass
 class Step:
@@ -33,6 +38,14 @@ class Step:
     inputs: list[int]
     outputs: list[int]
     free_after: list[int] = field(default_factory=list)
+    # Shared by the steps of one Program: counts changes of any step's ``fn``, so the
+    # Program knows when its straight-line function is stale without looking at each step.
+    changes: list[int] = field(default_factory=lambda: [0], repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "fn" and "changes" in self.__dict__:
+            self.changes[0] += 1
+        object.__setattr__(self, name, value)
 
 
 class Program:
@@ -78,6 +91,7 @@ class Program:
                 slot[n.name] = len(slot)
                 self.constants.append((slot[n.name], _fetch_attr(gm, n.target)))
         self.steps: list[Step] = []
+        self._changes = [0]
         for region in plan.regions:
             for name in region.outputs:
                 slot[name] = len(slot)
@@ -85,11 +99,18 @@ class Program:
             fn = implementations.get(region.id) or aten
             self.steps.append(Step(region=region, fn=fn, aten=aten,
                                    inputs=[slot[x] for x in region.inputs],
-                                   outputs=[slot[x] for x in region.outputs]))
+                                   outputs=[slot[x] for x in region.outputs],
+                                   changes=self._changes))
         self.num_slots = len(slot)
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         self._out_spec = torch.fx.node.map_arg(out_node.args[0], lambda n: _Slot(slot[n.name]))
         self._plan_frees()
+        self._gm = gm
+        # The steps as one straight-line function (see ``_straight``), and the step
+        # functions it was built for: rebuilt when a step changes.
+        self._straight_fn: Callable[[list[Any]], Any] | None = None
+        self._straight_for = -1   # the value of ``_changes[0]`` it was built for
+        self.straight_error: str | None = None
 
     def _plan_frees(self) -> None:
         """Free every intermediate slot after the last step that reads it."""
@@ -129,10 +150,34 @@ class Program:
                 return self.replay(inputs)  # writes back the mutations itself
             except NotCaptured:
                 pass
+        straight = self._straight() if STRAIGHT_LINE else None
+        if straight is not None:
+            self.calls += 1
+            return self.finish_call(straight(inputs), targets)  # boxed: clears ``inputs``
         slots: list[Any] = [None] * self.num_slots
         slots[: self.num_inputs] = inputs
         inputs.clear()
         return self.finish_call(self.run(slots), targets)
+
+    def _straight(self) -> Callable[[list[Any]], Any] | None:
+        """The Program as one generated Python function: ATen regions inlined as their
+        ops, each other step one call, values freed after their last use (FX codegen).
+        One frame per call instead of a module call and a slot loop per step: for
+        uncaptured Programs (training, large inputs) the host time per step is that of
+        the op itself. Rebuilt when any step's function changes; None (the step loop
+        runs) where it could not be built, with the reason in ``straight_error``."""
+        if self._changes[0] == self._straight_for:
+            return self._straight_fn
+        self._straight_for = self._changes[0]
+        self._straight_fn = None
+        try:
+            self._straight_fn = _straight_line(self._gm, self.steps)
+            self.straight_error = None
+        except Exception as err:  # noqa: BLE001 - the step loop is the fallback
+            self.straight_error = f"{type(err).__name__}: {err}"
+            log.debug("straight-line Program for %s not built (%s); the step loop runs",
+                      self.plan.graph_name, self.straight_error)
+        return self._straight_fn
 
     def finish_call(self, outputs: Any, targets: Sequence[torch.Tensor]) -> Any:
         """The graph's own outputs of a run's ``outputs``, after the new values of mutated
@@ -235,6 +280,55 @@ class Program:
             for s, v in zip(step.outputs, outs):
                 slots[s] = v
         return times
+
+
+def _straight_line(gm: torch.fx.GraphModule, steps: Sequence[Step]) -> Callable[[list[Any]], Any]:
+    """One boxed function (takes the input list, clears it) running ``steps`` over ``gm``:
+    the nodes of a step still on ATen copied in, any other step called as one function."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def copy(node: torch.fx.Node) -> None:
+        if node not in env:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            copy(node)
+    for step in steps:
+        if step.fn is step.aten:
+            for name in step.region.nodes:
+                copy(nodes[name])
+            continue
+        call = graph.call_function(_named(step.fn, f"region_{step.region.id}"),
+                                   tuple(env[nodes[x]] for x in step.region.inputs))
+        for i, name in enumerate(step.region.outputs):
+            env[nodes[name]] = graph.call_function(operator.getitem, (call, i))
+    copy(next(n for n in gm.graph.nodes if n.op == "output"))
+    graph.lint()  # every value defined before its use
+    boxed = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if boxed is not None:
+        graph.set_codegen(boxed())
+    module = torch.fx.GraphModule(gm, graph)
+    if boxed is not None:
+        return module.forward
+
+    def unboxed(inputs: list[Any]) -> Any:
+        args = list(inputs)
+        inputs.clear()
+        return module.forward(*args)
+
+    return unboxed
+
+
+def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` behind a plain function called ``name`` (what FX names its global)."""
+    def call(*args: Any) -> Any:
+        return fn(*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 def _shape_key(inputs: Sequence[Any]) -> tuple:
