@@ -12,6 +12,12 @@ The partition is deterministic and greedy, in graph order:
 * random ops, in-place ops and everything else are fallback regions (one per node,
   consecutive host-side size arithmetic grouped) with the reason in words.
 
+With ``defer_roots`` (the ``fuse_roots`` option, experimental), a pointwise or factory
+node that reads only graph inputs (a "root": ``log(predictions)``, ``targets == 0``,
+``scalar_tensor``) does not open a region of its own: like a view it waits for its first
+fused consumer and joins that region (KLDiv's loss is then one region instead of six).
+A root that a library call or a fallback consumes gets a fused region of its own first.
+
 Because regions are built in graph order and a node only ever joins a region at or
 after its inputs' regions, executing the regions in list order is valid, and random ops
 keep eager's relative order (so a seeded run draws the same numbers).
@@ -68,11 +74,13 @@ def _same_numel(a, b) -> bool:
         return str(a) == str(b)
 
 
-def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
+def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
+              defer_roots: bool = False) -> Plan:
     """Partition every compute node of ``gm`` into exactly one region, in execution order."""
     regions: list[_Open] = []
     region_of: dict[torch.fx.Node, int] = {}
-    pending_free: list[torch.fx.Node] = []  # views waiting for their first consumer
+    pending_free: list[torch.fx.Node] = []  # views (and deferred roots) awaiting a consumer
+    deferred: set[torch.fx.Node] = set()    # the deferred roots among them
     current: _Open | None = None
 
     def open_region(kind: RegionKind, *, make_current: bool = True, **kw) -> _Open:
@@ -94,6 +102,20 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
 
     def _pending_deps(node: torch.fx.Node) -> list[torch.fx.Node]:
         return [d for d in node.all_input_nodes if d in pending_free]
+
+    def flush_roots(node: torch.fx.Node) -> None:
+        """Deferred roots ``node`` reads (through pending views) get fused regions of
+        their own, so a library call or a fallback receives them computed."""
+        stack = _pending_deps(node)
+        while stack:
+            dep = stack.pop()
+            if dep not in pending_free:
+                continue
+            if dep in deferred:
+                pending_free.remove(dep)
+                add(dep, open_region(RegionKind.FUSED, make_current=False))
+            else:
+                stack.extend(_pending_deps(dep))
 
     def consumes_current(node: torch.fx.Node) -> bool:
         if current is None:
@@ -150,6 +172,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
             continue
 
         if cls in _ANCHOR_KIND:
+            flush_roots(node)
             region = open_region(_ANCHOR_KIND[cls], anchor_numel=_numel(node))
             add(node, region)
             continue
@@ -164,6 +187,11 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
             if target is not None:
                 add(node, regions[target])
                 continue
+            if defer_roots and cls in (OpClass.POINTWISE, OpClass.FACTORY) \
+                    and _producers(node) == [-1]:
+                pending_free.append(node)
+                deferred.add(node)
+                continue
             # A fused op unrelated to an open gemm/conv (say the BatchNorm step counter
             # between a conv and its BatchNorm) must not cut that region's epilogue off.
             keep_anchor = current is not None and current.kind in (
@@ -171,6 +199,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
             add(node, open_region(RegionKind.FUSED, make_current=not keep_anchor))
             continue
 
+        flush_roots(node)
         if cls is OpClass.SYMBOLIC and current is not None and current.symbolic:
             add(node, current)
             continue
@@ -178,8 +207,16 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph") -> Plan:
         add(node, open_region(RegionKind.FALLBACK, reason=reason,
                               symbolic=cls is OpClass.SYMBOLIC))
 
-    # Views nobody consumed (graph outputs that are views) get a region of their own.
+    # Views nobody consumed (graph outputs that are views) get a region of their own;
+    # deferred roots the graph only returns, a fused one.
     for node in list(pending_free):
+        if node not in pending_free:
+            continue
+        if node in deferred:
+            pending_free.remove(node)
+            add(node, open_region(RegionKind.FUSED))
+            continue
+        flush_roots(node)
         pending_free.remove(node)
         add(node, open_region(RegionKind.FALLBACK,
                               reason="view returned as a graph output (no data moves)"))

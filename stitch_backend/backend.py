@@ -172,7 +172,8 @@ class StitchBackend:
         dynamic = any(isinstance(x, torch.SymInt) or (
             isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
             for x in example_inputs)
-        plan = partition(gm, graph_name=f"graph_{index}_{stage}")
+        plan = partition(gm, graph_name=f"graph_{index}_{stage}",
+                         defer_roots=self.config.fuse_roots)
         arch = self._arch(device)
         key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
         record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,

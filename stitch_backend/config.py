@@ -78,6 +78,13 @@ class Config:
                        "Also race a split-statistics candidate for training BatchNorm over "
                        "few channels (experimental, off until re-measured; see README)."),
     )
+    fuse_roots: bool = field(
+        default=False,
+        metadata=_meta("STITCHCUDA_FUSE_ROOTS", True,
+                       "Planner: a pointwise op reading only graph inputs joins its first "
+                       "fused consumer's region instead of opening its own (experimental, "
+                       "off until measured on the GPU: KLDiv's loss becomes one region)."),
+    )
     cpu_interpret: bool = field(
         default=False,
         metadata=_meta("STITCHCUDA_CPU_INTERPRET", True,

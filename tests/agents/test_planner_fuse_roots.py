@@ -1,0 +1,91 @@
+"""The Planner's experimental ``fuse_roots``: pointwise roots (ops reading only graph
+inputs) join their first fused consumer's region; the partition stays complete and
+ordered, and the pipeline keeps eager's results on every zoo model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stitch_backend.agents.planner import check_plan
+from stitch_backend.backend import StitchBackend
+from stitch_backend.ir import RegionKind
+from tests.zoo import zoo
+
+
+class KLDiv(torch.nn.Module):
+    def forward(self, predictions, targets):
+        return F.kl_div(torch.log(predictions), targets, reduction="batchmean")
+
+
+class RootIntoMatmul(torch.nn.Module):
+    """A root (x * 2) that a matrix product consumes, and one the graph only returns."""
+
+    def forward(self, x, w):
+        return (x * 2) @ w, (w + 1)
+
+
+def _kl_inputs():
+    return [torch.randn(8, 32).softmax(-1), torch.randn(8, 32).softmax(-1)]
+
+
+def _plan(model, inputs, **options):
+    backend = StitchBackend(options=dict({"codegen": False}, **options))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*inputs)
+    (rec,) = backend.records
+    check_plan(rec.gm, rec.plan)
+    return rec.plan
+
+
+def test_kl_div_becomes_one_fused_region():
+    assert len(_plan(KLDiv(), _kl_inputs()).regions) == 6
+    plan = _plan(KLDiv(), _kl_inputs(), fuse_roots=True)
+    assert [r.kind for r in plan.regions] == [RegionKind.FUSED]
+    assert "aten.isnan.default" in plan.regions[0].ops
+
+
+def test_roots_before_a_library_call_or_returned_get_their_own_fused_region():
+    plan = _plan(RootIntoMatmul(), [torch.randn(4, 8), torch.randn(8, 3)], fuse_roots=True)
+    kinds = [r.kind for r in plan.regions]
+    assert RegionKind.GEMM in kinds
+    gemm = next(r for r in plan.regions if r.kind is RegionKind.GEMM)
+    assert all(op in ("aten.mm.default",) for op in gemm.ops), gemm.ops
+    assert sum(1 for r in plan.regions if r.kind is RegionKind.FUSED) == 2
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("name", sorted(zoo()))
+def test_zoo_keeps_eager_results_with_fuse_roots(name, training):
+    cls, make_inputs = zoo()[name]
+    torch.manual_seed(0)
+    model = cls()
+    model = model.train() if training else model.eval()
+    inputs = make_inputs(2)
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "fuse_roots": True})
+    compiled = torch.compile(model, backend=backend)
+    torch.manual_seed(1)
+    with torch.set_grad_enabled(training):
+        got = compiled(*inputs)
+    torch.manual_seed(1)
+    with torch.set_grad_enabled(training):
+        want = model(*inputs)
+    flat = lambda v: [x for i in v for x in flat(i)] if isinstance(v, (list, tuple)) else [v]
+    for g, w in zip(flat(got), flat(want)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    for rec in backend.records:
+        check_plan(rec.gm, rec.plan)
+
+
+def test_kl_div_single_region_is_generated_and_correct():
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "fuse_roots": True})
+    compiled = torch.compile(KLDiv(), backend=backend)
+    inputs = _kl_inputs()
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(*inputs), KLDiv()(*inputs))
+    (rec,) = backend.records
+    assert rec.plan.counts()["generated"] == 1, [r.reason for r in rec.plan.regions]
