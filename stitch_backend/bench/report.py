@@ -58,6 +58,12 @@ def _notes(result: TaskResult) -> str:
     var = [r for r in result.records.values() if r.eager_output_varies is not None]
     if var and not var[0].eager_output_varies:
         notes.append("eager output same for every input")
+    for backend, rec in result.records.items():
+        traced = [g for g in (rec.backend_records or [])
+                  if isinstance(g, dict) and g.get("runs_as_traced")]
+        if traced:
+            notes.append(f"{backend}: {len(traced)}/{len(rec.backend_records)} graph(s) run "
+                         "as traced (eager guard)")
     return ", ".join(notes)
 
 

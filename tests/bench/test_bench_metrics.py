@@ -97,3 +97,21 @@ def test_bandwidth_table_for_cuda_records():
     md = render_markdown(results, summarise(results, ["eager", "x"]), ["eager", "x"], {})
     assert "## Bandwidth" not in md
     assert BenchRecord.from_dict({**recs[0].__dict__, "io_bytes": None}).gb_per_s is None
+
+
+def test_graphs_run_as_traced_are_named_in_the_task_notes():
+    from stitch_backend.bench.report import render_markdown
+
+    recs = [rec("kl", "eager", 2.0), rec("kl", "stitchcuda", 2.0), rec("mlp", "eager", 2.0),
+            rec("mlp", "stitchcuda", 1.0)]
+    recs[1].backend_records = [{"index": 0, "runs_as_traced": True},
+                               {"index": 1, "runs_as_traced": False}]
+    recs[3].backend_records = [{"index": 0, "runs_as_traced": False}]
+    results = latest_runs(recs)
+    md = render_markdown(results, summarise(results, ["eager", "stitchcuda"]),
+                         ["eager", "stitchcuda"], {})
+    tasks = md.split("## Tasks")[1].split("\n## ")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in tasks.splitlines()
+            if line.startswith(("| kl ", "| mlp "))}
+    assert "stitchcuda: 1/2 graph(s) run as traced (eager guard)" in rows["kl"]
+    assert "as traced" not in rows["mlp"]
