@@ -49,7 +49,9 @@ def ineligible(records: Sequence[Any]) -> str | None:
             return "symbolic sizes: one shape's timing would decide for every shape"
         if rec.program is None:
             return "no Program"
-        if rec.program.writebacks and rec.aot_mutations != len(rec.program.writebacks):
+        if rec.aot_mutations is None:
+            return "AOTAutograd's input mutations are unknown: timing calls could repeat them"
+        if rec.aot_mutations != len(rec.program.writebacks):
             return ("AOTAutograd applies some input mutations outside the graph: timing calls "
                     "could not undo them")
         if rec.gm is not None and any(n.op == "call_function" and classify(n) is OpClass.RANDOM

@@ -150,6 +150,11 @@ def test_ineligible_graphs_say_why(monkeypatch):
     assert "random numbers" in eager_guard.ineligible(_records(Dropout(), x))
     lin = torch.nn.Linear(8, 8)
     assert "training graphs" in eager_guard.ineligible(_records(lin, x, grad=True))
+    (rec,) = _records(BatchNormTrain(), x)
+    rec.aot_mutations = None
+    assert "mutations are unknown" in eager_guard.ineligible([rec])
+    rec.aot_mutations = len(rec.program.writebacks) + 1   # one applied outside the graph
+    assert "outside the graph" in eager_guard.ineligible([rec])
     monkeypatch.setattr(eager_guard, "DEVICES", ("cuda",))
     assert "inputs are on cpu" in eager_guard.ineligible(_records(Softplus(), x))
     assert eager_guard.ineligible([]) == "no stitched graph"
