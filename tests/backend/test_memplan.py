@@ -87,3 +87,15 @@ def test_symbolic_sizes_count_at_the_example_and_data_dependent_ones_are_not_gue
     est = estimate(gm, partition(gm, graph_name="g"))
     assert est.program_bytes is None and est.graph_bytes is None and est.ratio is None
     assert est.line() == "memory plan: not estimated (the size of nonzero depends on the data)"
+
+
+def test_backend_report_and_json_carry_the_estimate():
+    from stitch_backend.backend import StitchBackend
+
+    backend = StitchBackend(options={"codegen": False})
+    with torch.no_grad():
+        torch.compile(lambda x: (torch.relu(x * 2.0 + 1.0).sum(),), backend=backend)(torch.randn(N))
+    (rec,) = backend.records
+    memory = rec.to_dict()["memory"]
+    assert memory["program_bytes"] == memory["graph_bytes"] > 0
+    assert "  memory plan: intermediates and outputs peak at" in backend.report()
