@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.fx
 
-from .mutations import split_outputs, write_back
+from .mutations import nbytes, restored, split_outputs, write_back
 from .opclass import OpClass, classify
 
 log = logging.getLogger("stitch_backend.cudagraphs")
@@ -214,24 +214,21 @@ class GraphReplay:
         context). Timed here, on the user's inputs;
         the timing runs' mutations are undone (not timed, replay kept, where the mutated
         inputs are too large to save a copy of: a KV cache, say)."""
-        saved_bytes = sum(t.numel() * t.element_size() for t in targets)
+        saved_bytes = nbytes(targets)
         if saved_bytes > SNAPSHOT_LIMIT:
             self.program.notes_sink.append(
                 f"replay kept without timing it: {saved_bytes / 2**20:.0f} MiB of mutated inputs "
                 "would have to be saved and restored around the timing runs")
             return None
-        saved = [t.clone() for t in targets]
         program = self.program
         aten_ms = None
-        try:
+        with restored(targets):
             replay_ms = wall_ms(lambda: self._replay(inputs))
             plain_ms = wall_ms(lambda: program.finish_call(program.run_inputs(inputs), targets))
             if plain_ms < replay_ms and program.generated_steps():
                 # Uncaptured it is; are the generated kernels still worth it in context?
                 aten_ms = wall_ms(lambda: program.finish_call(
                     program.run_inputs(inputs, on_aten=True), targets))
-        finally:
-            write_back(targets, saved)
         on_aten = "" if aten_ms is None else f", {aten_ms:.3f} ms uncaptured on ATen alone"
         program.notes_sink.append(
             f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms uncaptured{on_aten} "

@@ -7,10 +7,11 @@ there is four kernels where eager runs one, cross-entropy six. So for a Dynamo g
 whose ATen graphs are all inference graphs on CUDA, the guard also times the graph as
 Dynamo traced it (undecomposed, eager) on the user's first real inputs, once the
 Programs are verified and their replay decided; when that is faster, the graph runs
-as written from then on, said in each record's notes and regions. The timing calls both ways more than once: the inputs a graph mutates
-(BatchNorm's running statistics) are saved before and restored after them, so the
-user's call applies its update once; graphs that draw random numbers are left alone, as
-are graphs with symbolic sizes (one shape's timing would decide for all).
+as written from then on, said in each record's notes and regions. The timing calls
+both ways more than once: the inputs a graph mutates (BatchNorm's running statistics)
+are saved before and restored after them, so the user's call applies its update once;
+graphs that draw random numbers are left alone, as are graphs with symbolic sizes (one
+shape's timing would decide for all).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import cudagraphs
+from .mutations import nbytes, restored
 from .opclass import OpClass, classify
 
 log = logging.getLogger("stitch_backend.eager_guard")
@@ -135,21 +137,16 @@ class EagerGuard:
     def _decide(self, args: Sequence[Any], targets: list[torch.Tensor]) -> Callable[..., Any]:
         """Time both ways on ``args`` and keep the faster; ``targets`` (the inputs the
         graph mutates, as the call before left them) are put back after the timing runs."""
-        saved_bytes = sum(t.numel() * t.element_size() for t in targets)
+        saved_bytes = nbytes(targets)
         if saved_bytes > cudagraphs.SNAPSHOT_LIMIT:
             self._note(f"eager guard: not timed, {saved_bytes / 2**20:.0f} MiB of mutated "
                        "inputs would have to be saved and restored; the stitched graph is kept")
             return self.compiled
-        saved = [t.clone() for t in targets]
         stitched_ms, eager_ms = [], []
-        try:
+        with restored(targets):
             for _ in range(2):  # interleaved, so a clock or load drift hits both
                 stitched_ms.append(cudagraphs.wall_ms(lambda: self.compiled(*args)))
                 eager_ms.append(cudagraphs.wall_ms(lambda: self.eager(*args)))
-        finally:
-            with torch.no_grad():
-                for t, value in zip(targets, saved):
-                    t.copy_(value)
         stitched, eager = min(stitched_ms), min(eager_ms)
         timing = (f"{stitched:.3f} ms stitched vs {eager:.3f} ms for the graph as traced "
                   "(eager, undecomposed; wall clock, best of two medians of 5)")

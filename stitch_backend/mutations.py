@@ -13,8 +13,9 @@ free of side effects that way.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -118,6 +119,23 @@ def write_back(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) 
         src.append(v)
     for dst, src in groups.values():
         torch._foreach_copy_(dst, src)
+
+
+def nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes a copy of ``tensors`` takes."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@contextlib.contextmanager
+def restored(targets: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Runs the block, then puts ``targets`` back as they were before it (timing runs of a
+    graph that mutates its inputs must not leave their updates behind)."""
+    saved = [t.clone() for t in targets]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            write_back(targets, saved)
 
 
 def split_outputs(outputs: Any, writebacks: Sequence[Writeback]) -> tuple[Any, list[Any]]:

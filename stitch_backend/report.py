@@ -23,7 +23,7 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
         lines.append(f"\n{rec.name}: {len(rec.plan.regions)} regions ({kinds}); "
                      f"{counts['generated']} generated; device {rec.device}{dyn}; "
                      f"key {rec.key.short}; planned in {rec.compile_ms:.1f} ms")
-        if getattr(rec, "runs_as_traced", False):
+        if rec.runs_as_traced:
             lines.append("  runs as traced by Dynamo (eager, undecomposed): faster than "
                          "its stitched Program, which is set aside (see the notes)")
         for note in rec.notes:
