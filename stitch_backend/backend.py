@@ -144,6 +144,9 @@ class StitchBackend:
         why = eager_guard.ineligible(records)
         if why is not None:
             log.debug("eager guard off for %s: %s", [r.name for r in records], why)
+            if any(r.device in eager_guard.DEVICES for r in records):
+                for rec in records:   # where it would have run: the report says why not
+                    rec.notes.append(f"eager guard off: {why}")
             return compiled
         return eager_guard.EagerGuard(gm, compiled, records)
 

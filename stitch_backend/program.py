@@ -177,6 +177,8 @@ class Program:
             self.straight_error = f"{type(err).__name__}: {err}"
             log.debug("straight-line Program for %s not built (%s); the step loop runs",
                       self.plan.graph_name, self.straight_error)
+            self.notes_sink.append(f"runs as a step loop: its straight-line function "
+                                   f"could not be built ({self.straight_error})")
         return self._straight_fn
 
     def finish_call(self, outputs: Any, targets: Sequence[torch.Tensor]) -> Any:

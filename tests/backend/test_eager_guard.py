@@ -160,6 +160,17 @@ def test_ineligible_graphs_say_why(monkeypatch):
     assert eager_guard.ineligible([]) == "no stitched graph"
 
 
+def test_a_graph_left_unguarded_says_why_in_its_notes(monkeypatch):
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
+    backend = StitchBackend(options={"codegen": False, "eager_guard": True})
+    with torch.no_grad():
+        torch.compile(Dropout(), backend=backend)(torch.randn(4, 8))
+    (rec,) = backend.records
+    assert any(n.startswith("eager guard off: the graph draws random numbers")
+               for n in rec.notes), rec.notes
+    assert "eager guard off" in backend.report()
+
+
 @pytest.mark.parametrize("timings,traced", [([2.0, 1.0, 2.0, 1.0], True),
                                             ([1.0, 2.0, 1.0, 2.0], False)])
 def test_mutated_inputs_are_updated_once_per_call(guard_on_cpu, timings, traced):

@@ -79,6 +79,8 @@ def test_a_straight_line_that_cannot_be_built_falls_back_to_the_step_loop(monkey
     program = backend.records[0].program
     assert program._straight_fn is None
     assert program.straight_error == "RuntimeError: no straight line today"
+    assert ("runs as a step loop: its straight-line function could not be built "
+            "(RuntimeError: no straight line today)") in backend.records[0].notes
 
 
 def test_training_graphs_run_straight_and_match_eager_gradients():
