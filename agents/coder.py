@@ -45,7 +45,8 @@ class TemplateCoder:
     def __init__(self, sm_count: int = 132, split_stats: bool = False):
         self.sm_count = sm_count
         # Also propose the split-statistics alternative for training BatchNorm over few
-        # channels (``agents.split_stats``); the Verifier keeps the faster one.
+        # channels of a contiguous (NCHW) input (``agents.split_stats``; channels-last
+        # inputs always get it); the Verifier keeps the faster one.
         self.split_stats = split_stats
         # structure key -> kernel or Unsupported: repeated blocks (ResNet stages,
         # transformer layers) and replanning retries generate once per structure
@@ -65,10 +66,9 @@ class TemplateCoder:
         else:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
-        if self.split_stats:
-            alt = self._stats_split(subtask, lead, part)
-            if alt is not None:
-                cand.alternatives.append(alt)
+        alt = self._stats_split(subtask, lead, part)
+        if alt is not None:
+            cand.alternatives.append(alt)
         return cand
 
     def _candidate(self, subtask: Subtask, name: str, stages: list[Stage],
@@ -86,9 +86,13 @@ class TemplateCoder:
     def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region) -> Candidate | None:
         """The split-statistics alternative of a region whose (epilogue) part is a
         training BatchNorm over few channels; None when it does not apply or generate."""
-        from .split_stats import split_batchnorm
+        from .split_stats import BN_TRAIN, split_batchnorm
 
-        split = split_batchnorm(region_module(subtask.graph, part), self.sm_count)
+        names = set(part.nodes)
+        if not any(n.target is BN_TRAIN for n in subtask.graph.graph.nodes if n.name in names):
+            return None
+        split = split_batchnorm(region_module(subtask.graph, part), self.sm_count,
+                                contiguous=self.split_stats)
         if split is None:
             return None
         new = split.module

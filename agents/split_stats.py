@@ -53,9 +53,32 @@ def groups_for(channels: int, spatial: int, sm_count: int) -> int | None:
     return best
 
 
-def split_batchnorm(module: torch.fx.GraphModule, sm_count: int) -> StatsSplit | None:
+def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
+    """Partial sums per channel of a channels-last input (``rows`` = N*H*W positions, each
+    ``channels`` wide): a power of two dividing ``rows`` such that the partial-sum kernel,
+    a column reduction of 8 channels per block, has about two blocks per SM, each partial
+    still at least MIN_PARTIAL_LEN long; None when one kernel is enough."""
+    target = 16 * sm_count          # channels * groups / 8 channels a block >= 2 blocks an SM
+    if channels >= target:
+        return None
+    best = None
+    g = 2
+    while rows % g == 0 and rows // g >= MIN_PARTIAL_LEN:
+        best = g
+        if channels * g >= target:
+            break
+        g *= 2
+    return best
+
+
+def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
+                    contiguous: bool = True) -> StatsSplit | None:
     """``module`` (a region module) with its one training BatchNorm rewritten into
-    two-level sums, or None when the rewrite does not apply or would not help."""
+    two-level sums, or None when the rewrite does not apply or would not help.
+
+    A channels-last input (the layout pass's convolutions) is always split when its
+    channels leave SMs idle: one kernel per region would reduce it as columns with a
+    block per 8 channels. A contiguous (NCHW) input only with ``contiguous``."""
     bns = [n for n in module.graph.nodes if n.op == "call_function" and n.target is BN_TRAIN]
     if len(bns) != 1:
         return None
@@ -63,13 +86,19 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int) -> StatsSplit |
     x, weight, bias, rmean, rvar, training, momentum, eps = bn.args
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if (not training or x.op != "placeholder" or not isinstance(xv, torch.Tensor)
-            or xv.dim() != 4 or xv.dtype != torch.float32 or not xv.is_contiguous()
+            or xv.dim() != 4 or xv.dtype != torch.float32
             or any(isinstance(s, torch.SymInt) for s in xv.shape)
             or not all(u.op == "call_function" and u.target is operator.getitem
                        for u in bn.users)):
         return None
     n, c, h, w = (int(s) for s in xv.shape)
-    groups = groups_for(c, h * w, sm_count)
+    channels_last = not xv.is_contiguous() and xv.is_contiguous(memory_format=torch.channels_last)
+    if channels_last:
+        groups = groups_for_columns(c, n * h * w, sm_count)
+    elif contiguous and xv.is_contiguous():
+        groups = groups_for(c, h * w, sm_count)
+    else:
+        return None
     if groups is None or n * h * w < 2:
         return None
     new = torch.fx.GraphModule(module, _copy(module.graph))
@@ -87,16 +116,30 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int) -> StatsSplit |
     def per_channel(stage: int, v: torch.fx.Node) -> torch.fx.Node:
         return op(stage, aten.view.default, v, [1, c, 1, 1])
 
+    if channels_last:
+        # x as (N*H*W, C) rows, split into ``groups`` runs of rows: (groups, L, C)
+        def grouped(stage: int) -> torch.fx.Node:
+            return op(stage, aten.view.default, op(stage, aten.permute.default, x, [0, 2, 3, 1]),
+                      [groups, -1, c])
+
+        def per_group_channel(stage: int, v: torch.fx.Node) -> torch.fx.Node:
+            return op(stage, aten.view.default, v, [1, 1, c])
+        part_dims, total_dims = [1], [0]
+    else:
+        # x as (N, C, groups, L): partial sums over N and L
+        def grouped(stage: int) -> torch.fx.Node:
+            return op(stage, aten.view.default, x, [n, c, groups, -1])
+        per_group_channel = per_channel
+        part_dims, total_dims = [0, 3], [1]
+
     with new.graph.inserting_before(bn):
         # stage 0: partial sums; 1: means; 2: partial squared deviations
-        parts = op(0, aten.sum.dim_IntList, op(0, aten.view.default, x, [n, c, groups, -1]),
-                   [0, 3])
-        mean = op(1, aten.div.Tensor, op(1, aten.sum.dim_IntList, parts, [1]), count)
-        dev = op(2, aten.sub.Tensor, op(2, aten.view.default, x, [n, c, groups, -1]),
-                 per_channel(2, mean))
-        parts2 = op(2, aten.sum.dim_IntList, op(2, aten.mul.Tensor, dev, dev), [0, 3])
+        parts = op(0, aten.sum.dim_IntList, grouped(0), part_dims)
+        mean = op(1, aten.div.Tensor, op(1, aten.sum.dim_IntList, parts, total_dims), count)
+        dev = op(2, aten.sub.Tensor, grouped(2), per_group_channel(2, mean))
+        parts2 = op(2, aten.sum.dim_IntList, op(2, aten.mul.Tensor, dev, dev), part_dims)
         # stage 3: variance, 1/std, running statistics (as the template computes them)
-        var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, [1]), count)
+        var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
         rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
         new_mean = op(3, aten.add.Tensor, op(3, aten.mul.Tensor, mean, momentum),
                       op(3, aten.mul.Tensor, rmean, 1.0 - momentum))

@@ -175,6 +175,7 @@ class StitchBackend:
         dynamic = any(isinstance(x, torch.SymInt) or (
             isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
             for x in example_inputs)
+        gm, layout = self._layout(gm, stage, device, dynamic)
         plan = partition(gm, graph_name=f"graph_{index}_{stage}",
                          defer_roots=self.config.fuse_roots)
         arch = self._arch(device)
@@ -183,6 +184,8 @@ class StitchBackend:
                              dynamic=dynamic, compile_ms=0.0, gm=gm,
                              aot_mutations=aot_mutated_inputs())
         notes = record.notes
+        if layout is not None:
+            notes.append(layout.note())
         replay_why = (self._replay_ineligible(gm, example_inputs, record)
                       if device == "cuda" else "not a CUDA graph")
         if device == "meta":
@@ -227,6 +230,17 @@ class StitchBackend:
                  ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value]),
                  counts["generated"], key.short, record.compile_ms)
         return program
+
+    def _layout(self, gm, stage: str, device: str, dynamic: bool):
+        """``gm`` with its convolutions channels-last where that applies, and what was
+        done (None where the pass is not considered: no convolutions, not CUDA, ...)."""
+        from . import layout
+
+        runs_kernels = device == "cuda" or (device == "cpu" and self.config.cpu_interpret)
+        if (not self.config.channels_last or stage != "inference" or not runs_kernels
+                or dynamic or not layout.convolutions(gm)):
+            return gm, None
+        return layout.to_channels_last(gm)
 
     def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,
                interpreted: bool = False, graph_timing: bool = False) -> Program:

@@ -67,10 +67,12 @@ class Config:
                        "Time each CUDA inference graph, once settled, against the graph as "
                        "traced (eager, undecomposed) and run whichever is faster."),
     )
-    fold_batchnorm: bool = field(
+    channels_last: bool = field(
         default=True,
-        metadata=_meta("STITCHCUDA_FOLD_BATCHNORM", True,
-                       "Fold eval-mode BatchNorm into the preceding convolution at load."),
+        metadata=_meta("STITCHCUDA_CHANNELS_LAST", True,
+                       "Run the 2-D convolutions of inference graphs channels-last (NHWC), "
+                       "converting layouts once at the graph's edges; outputs keep eager's "
+                       "strides."),
     )
     split_stats: bool = field(
         default=False,

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.fx.interpreter import Interpreter
 
 from stitch_backend.agents.coder import TemplateCoder
-from stitch_backend.agents.split_stats import groups_for
+from stitch_backend.agents.split_stats import groups_for, groups_for_columns
 from stitch_backend.agents.state import subtask_for
 from stitch_backend.backend import StitchBackend
 from stitch_backend.kernels import InterpretedRunner, runner_for
@@ -46,8 +46,16 @@ def test_groups_give_every_sm_rows_of_real_length():
     assert groups_for(16, 3 * 1000, 132) is None or 3000 % groups_for(16, 3000, 132) == 0
 
 
-def _graph(model, x):
-    backend = StitchBackend(options={"codegen": False})
+def test_channels_last_groups_give_two_blocks_of_8_channels_per_sm():
+    assert groups_for_columns(64, 10 * 224 * 224, 132) == 64   # 4096 rows, 512 blocks
+    assert groups_for_columns(16, 64 * 8 * 8, 132) == 8        # stops at partials of 512
+    assert groups_for_columns(4096, 10 * 7 * 7, 132) is None   # channels alone fill it
+    assert groups_for_columns(64, 2 * 7 * 7, 132) is None      # too short to split
+
+
+def _graph(model, x, channels_last=False):
+    # cpu_interpret turns on the channels-last pass (as on CUDA); codegen=False plans only
+    backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last})
     with torch.no_grad():
         torch.compile(model, backend=backend)(x)
     (rec,) = backend.records
@@ -95,6 +103,21 @@ def test_split_candidate_matches_the_region(model, shape):
         found += 1
         assert not TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
     assert found == 1
+
+
+def test_channels_last_batchnorm_is_split_without_the_option():
+    rec = _graph(ConvBN(c=16).train(), torch.randn(8, 3, 32, 32), channels_last=True)
+    env = _values(rec.gm)
+    region = next(r for r in rec.plan.regions if r.kind.value == "conv")
+    assert env[region.nodes[0]].is_contiguous(memory_format=torch.channels_last)
+    (alt,) = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    assert len([s for s in alt.stages if s.kernel is not None]) == 5
+    inputs = [env[n] for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    got = runner_for(alt, base=InterpretedRunner)(*inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        assert g.stride() == w.stride()
 
 
 def test_wide_or_small_batchnorm_gets_no_split():

@@ -1,0 +1,151 @@
+"""The channels-last pass: convolutions read NHWC, values and output strides stay eager's,
+stride-dependent uses get the traced layout back, and where it cannot apply it says why."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from stitch_backend import layout
+from stitch_backend.backend import StitchBackend
+from stitch_backend.examples import conv_bn_relu, depthwise_separable, residual_block
+
+aten = torch.ops.aten
+
+
+def _compile(model, x, **options):
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False, **options})
+    compiled = torch.compile(model, backend=backend)
+    return backend, compiled
+
+
+def _conv_inputs(gm):
+    return [n.args[0].meta["val"] for n in gm.graph.nodes if n.target is aten.convolution.default]
+
+
+def _check(model_factory, x, train_mode=True, **options):
+    torch.manual_seed(0)
+    model = model_factory().train(train_mode)
+    reference = copy.deepcopy(model)
+    backend, compiled = _compile(model, x, **options)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = compiled(x), reference(x)
+            got = got if isinstance(got, tuple) else (got,)
+            want = want if isinstance(want, tuple) else (want,)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+                assert g.stride() == w.stride()
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(buf, dict(reference.named_buffers())[name])
+    return backend
+
+
+@pytest.mark.parametrize("example", [conv_bn_relu, residual_block, depthwise_separable],
+                         ids=["conv_bn_relu", "residual_block", "depthwise_separable"])
+def test_zoo_convolutions_run_channels_last_with_eager_results(example):
+    x = example.get_inputs()[0]
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), x)
+    (rec,) = backend.records
+    assert any(n.startswith("channels-last: ") for n in rec.notes), rec.notes
+    ins = _conv_inputs(rec.gm)
+    assert ins and all(v.is_contiguous(memory_format=torch.channels_last) for v in ins)
+    assert rec.plan.counts()["generated"] >= 1
+
+
+class Flatten(nn.Module):
+    """A view the new strides cannot express (flatten after a conv) and an as_strided."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        z = self.conv2(y)
+        return y.view(y.shape[0], -1) * 2, z.as_strided((2, 8), (1, 2)) + 1, z.sum()
+
+
+def test_views_and_as_strided_see_the_traced_layout():
+    backend = _check(Flatten, torch.randn(2, 3, 6, 6))
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 2 convolution(s)"), rec.notes
+
+
+class Transposed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x).transpose(1, 2) + 0   # traced strides: neither layout
+
+
+def test_an_output_layout_it_cannot_restore_leaves_the_graph_as_traced():
+    backend = _check(Transposed, torch.randn(2, 3, 5, 7))
+    (rec,) = backend.records
+    note = next(n for n in rec.notes if n.startswith("channels-last"))
+    assert note.startswith("channels-last off: ") and "cannot restore" in note, note
+    assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
+
+
+def test_grouped_convolutions_are_left_alone():
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.ReLU())
+    backend = _check(lambda: model, torch.randn(2, 8, 6, 6))
+    note = next(n for n in backend.records[0].notes if n.startswith("channels-last"))
+    assert "grouped convolutions (100% of the convolution FLOPs)" in note, note
+
+
+def test_option_off_and_training_graphs_keep_the_traced_layout():
+    example = conv_bn_relu
+    x = example.get_inputs()[0]
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), x, channels_last=False)
+    assert not any(n.startswith("channels-last") for n in backend.records[0].notes)
+
+    torch.manual_seed(0)
+    model = example.Model(*example.get_init_inputs())
+    backend, compiled = _compile(model, x)
+    compiled(x.requires_grad_()).sum().backward()
+    assert {r.stage for r in backend.records} == {"forward", "backward"}
+    for rec in backend.records:
+        assert not any(n.startswith("channels-last") for n in rec.notes)
+        assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
+
+
+def test_same_layout_ignores_strides_of_single_element_dims():
+    a = torch.empty(2, 3, 1, 1)
+    assert layout.same_layout(a, a.contiguous(memory_format=torch.channels_last))
+    b = torch.empty(2, 3, 4, 4)
+    assert not layout.same_layout(b, b.contiguous(memory_format=torch.channels_last))
+    assert not layout.same_layout(b, torch.empty(2, 3, 4, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("example", [residual_block, depthwise_separable],
+                         ids=["residual_block", "depthwise_separable"])
+def test_channels_last_on_cuda_is_correct_by_the_design_rule(example):
+    """Training-mode BatchNorm under no_grad, as KernelBench runs it: channels-last convs
+    (other cuDNN kernels than eager's NCHW ones), replay, the guard; DESIGN.md's rule."""
+    from stitch_backend.correctness import compare
+
+    torch.manual_seed(0)
+    model = example.Model(*example.get_init_inputs()).cuda().train()
+    reference = copy.deepcopy(model)
+    fp64 = copy.deepcopy(model).double()
+    backend = StitchBackend(options={"cache": False})
+    compiled = torch.compile(model, backend=backend)
+    x = example.get_inputs()[0].cuda()
+    with torch.no_grad():
+        for _ in range(4):
+            got, want, ref64 = compiled(x), reference(x), fp64(x.double())
+            verdict = compare(got, want, ref64)
+            assert verdict.ok_design, verdict.reason
+            assert got.stride() == want.stride()
+    (rec,) = backend.records
+    assert any(n.startswith("channels-last: ") for n in rec.notes), rec.notes
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(buf, dict(reference.named_buffers())[name], rtol=1e-3, atol=1e-3)
