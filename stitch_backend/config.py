@@ -68,11 +68,12 @@ class Config:
                        "traced (eager, undecomposed) and run whichever is faster."),
     )
     channels_last: bool = field(
-        default=True,
+        default=False,
         metadata=_meta("STITCHCUDA_CHANNELS_LAST", True,
                        "Run the 2-D convolutions of inference graphs channels-last (NHWC), "
                        "converting layouts once at the graph's edges; outputs keep eager's "
-                       "strides."),
+                       "strides (experimental, off: mixed on the H200 and cuDNN may then "
+                       "pick TF32 kernels where eager's NCHW ones were exact fp32; README)."),
     )
     split_stats: bool = field(
         default=False,

@@ -55,7 +55,8 @@ def test_channels_last_groups_give_two_blocks_of_8_channels_per_sm():
 
 def _graph(model, x, channels_last=False):
     # cpu_interpret turns on the channels-last pass (as on CUDA); codegen=False plans only
-    backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last})
+    backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last,
+                                     "channels_last": channels_last})
     with torch.no_grad():
         torch.compile(model, backend=backend)(x)
     (rec,) = backend.records

@@ -17,7 +17,8 @@ aten = torch.ops.aten
 
 
 def _compile(model, x, **options):
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False, **options})
+    options = {"cpu_interpret": True, "cache": False, "channels_last": True, **options}
+    backend = StitchBackend(options=options)
     compiled = torch.compile(model, backend=backend)
     return backend, compiled
 
@@ -100,6 +101,17 @@ def test_grouped_convolutions_are_left_alone():
     assert "grouped convolutions (100% of the convolution FLOPs)" in note, note
 
 
+def test_off_by_default():
+    example = conv_bn_relu
+    torch.manual_seed(0)
+    model = example.Model(*example.get_init_inputs())
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(example.get_inputs()[0])
+    assert not any(n.startswith("channels-last") for n in backend.records[0].notes)
+    assert all(v.is_contiguous() for v in _conv_inputs(backend.records[0].gm))
+
+
 def test_option_off_and_training_graphs_keep_the_traced_layout():
     example = conv_bn_relu
     x = example.get_inputs()[0]
@@ -136,7 +148,7 @@ def test_channels_last_on_cuda_is_correct_by_the_design_rule(example):
     model = example.Model(*example.get_init_inputs()).cuda().train()
     reference = copy.deepcopy(model)
     fp64 = copy.deepcopy(model).double()
-    backend = StitchBackend(options={"cache": False})
+    backend = StitchBackend(options={"cache": False, "channels_last": True})
     compiled = torch.compile(model, backend=backend)
     x = example.get_inputs()[0].cuda()
     with torch.no_grad():
