@@ -110,9 +110,21 @@ def test_warm_start_in_a_second_process(tmp_path):
     assert runs[1]["ms"] < 1000
 
 
-def test_replayed_outputs_are_never_overwritten():
+def test_replayed_outputs_are_never_overwritten(monkeypatch):
     """Calls 1-2 run uncaptured (verification, warm-up); from call 3 the Program is one
-    CUDA graph. Every output the user keeps stays what eager computes for its input."""
+    CUDA graph. Every output the user keeps stays what eager computes for its input.
+
+    Whether replay stays on is a timing decision (this tiny block once measured 0.568 ms
+    replayed vs 0.566 ms uncaptured, and replay went off): scripted here, since the
+    subject is the outputs of replays."""
+    from stitch_backend import cudagraphs
+
+    times = iter([1.0, 2.0])           # the first replay's check: replayed, uncaptured
+
+    def scripted(fn, runs=5):
+        fn()
+        return next(times, 2.0)
+    monkeypatch.setattr(cudagraphs, "wall_ms", scripted)
     torch.manual_seed(0)
     model = zoo()["transformer_block"][0]().cuda().eval()
     backend = StitchBackend()
