@@ -66,9 +66,7 @@ class TemplateCoder:
         else:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
-        alt = self._stats_split(subtask, lead, part)
-        if alt is not None:
-            cand.alternatives.append(alt)
+        cand.alternatives += self._stats_splits(subtask, lead, part)
         return cand
 
     def _candidate(self, subtask: Subtask, name: str, stages: list[Stage],
@@ -83,21 +81,34 @@ class TemplateCoder:
                          signature=kernels[0].signature, stages=stages,
                          region_inputs=list(subtask.region.inputs), region_outputs=outputs)
 
-    def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region) -> Candidate | None:
-        """The split-statistics alternative of a region whose (epilogue) part is a
-        training BatchNorm over few channels; None when it does not apply or generate."""
-        from .split_stats import BN_TRAIN, split_batchnorm
+    def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region) -> list[Candidate]:
+        """The split-statistics alternatives (two-pass and single-pass variance) of a region
+        whose (epilogue) part is a training BatchNorm over few channels; none where that
+        does not apply or generate."""
+        from .split_stats import BN_TRAIN
 
         names = set(part.nodes)
         if not any(n.target is BN_TRAIN for n in subtask.graph.graph.nodes if n.name in names):
-            return None
-        split = split_batchnorm(region_module(subtask.graph, part), self.sm_count,
-                                contiguous=self.split_stats)
+            return []
+        module = region_module(subtask.graph, part)
+        found = []
+        for single_pass, suffix in ((False, "split"), (True, "split1p")):
+            alt = self._stats_split(subtask, lead, part, module, single_pass, suffix)
+            if alt is not None:
+                found.append(alt)
+        return found
+
+    def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region, module,
+                     single_pass: bool, suffix: str) -> Candidate | None:
+        from .split_stats import split_batchnorm
+
+        split = split_batchnorm(module, self.sm_count, contiguous=self.split_stats,
+                                single_pass=single_pass)
         if split is None:
             return None
         new = split.module
         stages = list(lead)
-        name = f"{subtask.region_name}_split"
+        name = f"{subtask.region_name}_{suffix}"
         for i, names in enumerate(split.stages):
             sub = sub_region(new, names, subtask.region_id, 500 + i)
             try:

@@ -72,13 +72,19 @@ def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
 
 
 def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
-                    contiguous: bool = True) -> StatsSplit | None:
+                    contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
     """``module`` (a region module) with its one training BatchNorm rewritten into
     two-level sums, or None when the rewrite does not apply or would not help.
 
     A channels-last input (the layout pass's convolutions) is always split when its
     channels leave SMs idle: one kernel per region would reduce it as columns with a
-    block per 8 channels. A contiguous (NCHW) input only with ``contiguous``."""
+    block per 8 channels. A contiguous (NCHW) input only with ``contiguous``.
+
+    ``single_pass``: the statistics read the input once instead of twice. The partial
+    sums are of ``d = x - s`` and ``d * d``, where ``s`` is the channel's first element
+    ``x[0, c, 0, 0]`` (a shift close to the channel's values, so ``E[d^2] - E[d]^2``
+    does not cancel the way ``E[x^2] - E[x]^2`` does for a channel whose mean is large
+    against its spread); three kernels instead of five."""
     bns = [n for n in module.graph.nodes if n.op == "call_function" and n.target is BN_TRAIN]
     if len(bns) != 1:
         return None
@@ -132,14 +138,31 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
         per_group_channel = per_channel
         part_dims, total_dims = [0, 3], [1]
 
+    def shift(stage: int) -> torch.fx.Node:
+        """x[0, :, 0, 0], one value per channel."""
+        first = op(stage, aten.select.int, x, 0, 0)
+        return op(stage, aten.select.int, op(stage, aten.select.int, first, 1, 0), 1, 0)
+
     with new.graph.inserting_before(bn):
-        # stage 0: partial sums; 1: means; 2: partial squared deviations
-        parts = op(0, aten.sum.dim_IntList, grouped(0), part_dims)
-        mean = op(1, aten.div.Tensor, op(1, aten.sum.dim_IntList, parts, total_dims), count)
-        dev = op(2, aten.sub.Tensor, grouped(2), per_group_channel(2, mean))
-        parts2 = op(2, aten.sum.dim_IntList, op(2, aten.mul.Tensor, dev, dev), part_dims)
-        # stage 3: variance, 1/std, running statistics (as the template computes them)
-        var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
+        if single_pass:
+            # stage 0: partial sums of d and d*d; 3: mean and (biased) variance
+            d = op(0, aten.sub.Tensor, grouped(0), per_group_channel(0, shift(0)))
+            parts = op(0, aten.sum.dim_IntList, d, part_dims)
+            parts2 = op(0, aten.sum.dim_IntList, op(0, aten.mul.Tensor, d, d), part_dims)
+            md = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts, total_dims), count)
+            ed2 = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
+            var = op(3, aten.clamp_min.default,
+                     op(3, aten.sub.Tensor, ed2, op(3, aten.mul.Tensor, md, md)), 0.0)
+            mean = op(3, aten.add.Tensor, shift(3), md)
+        else:
+            # stage 0: partial sums; 1: means; 2: partial squared deviations
+            parts = op(0, aten.sum.dim_IntList, grouped(0), part_dims)
+            mean = op(1, aten.div.Tensor, op(1, aten.sum.dim_IntList, parts, total_dims), count)
+            dev = op(2, aten.sub.Tensor, grouped(2), per_group_channel(2, mean))
+            parts2 = op(2, aten.sum.dim_IntList, op(2, aten.mul.Tensor, dev, dev), part_dims)
+            var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims),
+                     count)
+        # stage 3: 1/std, running statistics (as the template computes them)
         rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
         new_mean = op(3, aten.add.Tensor, op(3, aten.mul.Tensor, mean, momentum),
                       op(3, aten.mul.Tensor, rmean, 1.0 - momentum))
