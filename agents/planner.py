@@ -9,6 +9,7 @@ The partition is deterministic and greedy, in graph order:
   consume a value it produces, else they open a new fused region;
 * views and ``getitem``s move no data: they join the region of their producer when that
   region is still open, else the region of their first consumer;
+* a layout conversion the channels-last pass inserted is a fused region of its own;
 * random ops, in-place ops and everything else are fallback regions (one per node,
   consecutive host-side size arithmetic grouped) with the reason in words.
 
@@ -33,6 +34,7 @@ import torch
 import torch.fx
 
 from stitch_backend.ir import Plan, Region, RegionKind
+from stitch_backend.layout import CONVERSION as LAYOUT_CONVERSION
 from stitch_backend.opclass import OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary
 
@@ -175,6 +177,11 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
             flush_roots(node)
             region = open_region(_ANCHOR_KIND[cls], anchor_numel=_numel(node))
             add(node, region)
+            continue
+
+        if cls in _FUSIBLE and node.meta.get(LAYOUT_CONVERSION):
+            # a layout conversion is a region of its own (see stitch_backend.layout)
+            add(node, open_region(RegionKind.FUSED, make_current=False))
             continue
 
         if cls in _FUSIBLE:

@@ -77,6 +77,19 @@ def test_views_and_as_strided_see_the_traced_layout():
     assert rec.notes[0].startswith("channels-last: 2 convolution(s)"), rec.notes
 
 
+def test_each_layout_conversion_is_a_region_of_its_own():
+    """Fused into a neighbour, a kernel would read one layout and write the other."""
+    example = residual_block
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0])
+    (rec,) = backend.records
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    conversions = [n for n in nodes.values() if layout.CONVERSION in n.meta]
+    assert len(conversions) == 2     # the input to NHWC, the output back to NCHW
+    for region in rec.plan.regions:
+        if any(nodes[n] in conversions for n in region.nodes):
+            assert region.kind.value == "fused" and len(region.nodes) == 1, region
+
+
 class Transposed(nn.Module):
     def __init__(self):
         super().__init__()
