@@ -18,6 +18,9 @@ import torch
 #: name -> (torch.compile backend, torch.compile mode)
 BUILTIN: dict[str, tuple[str | None, str | None]] = {
     "eager": (None, None),
+    # eager again, timed after the other backends in the same child process: the A/A
+    # control, how far a ratio near 1 can be noise (process state, allocator, clocks)
+    "eager-again": (None, None),
     "aot_eager": ("aot_eager", None),
     "inductor": ("inductor", None),
     "inductor-reduce-overhead": ("inductor", "reduce-overhead"),
@@ -27,7 +30,7 @@ BUILTIN: dict[str, tuple[str | None, str | None]] = {
 DEFAULT_BACKENDS = ("eager", "inductor", "stitchcuda")
 #: backends whose compile is host work only (no GPU timing while compiling): under
 #: --share-gpu their first call runs outside the task's GPU turn
-HOST_COMPILED = frozenset({"eager", "aot_eager", "inductor", "inductor-reduce-overhead"})
+HOST_COMPILED = frozenset({"eager", "eager-again", "aot_eager", "inductor", "inductor-reduce-overhead"})
 
 
 def compiles_on_host(name: str) -> bool:
@@ -59,7 +62,7 @@ def validate_backends(names: list[str]) -> list[str]:
     out: list[str] = ["eager"]
     for n in names:
         n = n.strip()
-        if not n or n in out:
+        if not n or n in out or n == "eager-again":
             continue
         base, options = split_options(n)
         if options and BUILTIN.get(base, (base, None))[0] is None:
@@ -71,6 +74,8 @@ def validate_backends(names: list[str]) -> list[str]:
                 f"unknown backend {n!r}; valid: {', '.join(BUILTIN)} or a Dynamo backend "
                 f"({', '.join(sorted(registered))})")
         out.append(n)
+    if "eager-again" in (n.strip() for n in names):
+        out.append("eager-again")      # last, after every compiled backend
     return out
 
 
@@ -107,7 +112,8 @@ def wrap(name: str, model: torch.nn.Module) -> Compiled:
     base, options = split_options(name)
     backend, mode = BUILTIN.get(base, (base, None))
     if backend is None:
-        return Compiled(name, model, None, "eager (no compile)")
+        return Compiled(name, model, None, "eager (no compile)" if base == "eager" else
+                        "eager (no compile), timed again after the other backends")
     obj, source = resolve_dynamo_backend(backend)
     kwargs: dict[str, Any] = {"backend": obj}
     if mode is not None:

@@ -49,7 +49,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "inductor-max-autotune, stitchcuda, aot_eager (or any Dynamo backend); "
                         "NAME:KEY=VALUE+KEY=VALUE passes options, e.g. "
                         "stitchcuda:split_stats=1 beside stitchcuda; "
-                        "eager always runs, as the baseline (default: %(default)s)")
+                        "eager always runs, as the baseline; eager-again times eager once more "
+                        "after the others, in the same process, as a noise control "
+                        "(default: %(default)s)")
     p.add_argument("--eval", action="store_true", help="model.eval() (default: training mode, as KernelBench)")
     p.add_argument("--trials", type=int, default=5, help="correctness input draws (default: %(default)s)")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default: 100 on cuda, 10 on cpu)")

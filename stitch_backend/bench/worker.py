@@ -339,7 +339,7 @@ def _check_and_time(name: str, model: torch.nn.Module, compiled: backends_mod.Co
     fields.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
                   runs=timing.runs, clock=timing.clock)
 
-    if cfg.recompile and name != "eager":
+    if cfg.recompile and name not in ("eager", "eager-again"):
         # Dynamo forgets everything; Inductor's/stitchcuda's own caches stay warm.
         torch._dynamo.reset()
         again = backends_mod.wrap(name, model)

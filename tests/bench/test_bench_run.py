@@ -454,3 +454,22 @@ def test_ctrl_c_ends_the_cli_with_a_resume_hint_not_a_traceback(tmp_path, monkey
     assert cli.run(_parse(["bench", "--suite", "examples", "--out", str(tmp_path)])) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "--resume" in err and str(tmp_path / "results.jsonl") in err
+
+
+def test_eager_again_is_timed_last_as_a_control(tmp_path):
+    """eager-again: the baseline once more, after the compiled backends, in the same child
+    process; identical outputs, so correct by both rules, and a ratio to read noise by."""
+    from stitch_backend.bench.backends import validate_backends
+
+    assert validate_backends(["eager-again", "aot_eager"]) == ["eager", "aot_eager", "eager-again"]
+    out = tmp_path / "out"
+    args = _parse(["bench", str(EXAMPLES["softmax_rows"]), "--backends", "eager-again,aot_eager",
+                   "--device", "cpu", "--trials", "1", "--runs", "3", "--warmup", "1",
+                   "--out", str(out), "--no-progress"])
+    assert args.func(args) == 0
+    records = read_records(out / "results.jsonl")
+    assert [r.backend for r in records] == ["eager", "aot_eager", "eager-again"]
+    again = records[-1]
+    assert again.status == "ok" and again.correct_kernelbench and again.correct_design
+    assert again.max_abs == 0.0 and again.median_ms > 0
+    assert "timed again" in again.backend_source
