@@ -22,6 +22,7 @@ from stitch_backend.regions import region_module, split_anchor
 from .state import Candidate, Stage, Subtask
 
 log = logging.getLogger("stitch_backend.agents.coder")
+aten = torch.ops.aten
 
 
 class NoCandidate(Exception):
@@ -42,8 +43,12 @@ class TemplateCoder:
     # Generation attempts allowed while replanning one region (each costs milliseconds).
     max_attempts = 48
 
-    def __init__(self, sm_count: int = 132, split_stats: bool = False):
+    def __init__(self, sm_count: int = 132, split_stats: bool = False,
+                 library_on_cpu: bool = False):
         self.sm_count = sm_count
+        # Library (cuBLASLt) alternatives run on CUDA only; tests of their construction
+        # ask for them on CPU graphs too.
+        self.library_on_cpu = library_on_cpu
         # Also propose the split-statistics alternative for training BatchNorm over few
         # channels of a contiguous (NCHW) input (``agents.split_stats``; channels-last
         # inputs always get it); the Verifier keeps the faster one.
@@ -57,9 +62,12 @@ class TemplateCoder:
         region = subtask.region
         lead: list[Stage] = []
         part = region
+        library = None
         if subtask.kind in ("gemm", "conv"):
             head, part = self._split_anchor(subtask)
             lead = [Stage(head, module=region_module(subtask.graph, head))]
+            if subtask.kind == "gemm":
+                library = self._lt_alternative(subtask, head, part)
             stages = lead + self._kernel_stages(subtask, part.nodes, "epilogue")
         elif subtask.kind == "fused":
             stages = self._kernel_stages(subtask, region.nodes, "region")
@@ -67,7 +75,82 @@ class TemplateCoder:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
         cand.alternatives += self._stats_splits(subtask, lead, part)
+        if library is not None:
+            cand.alternatives.append(library)
         return cand
+
+    def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
+        """cuBLASLt's fused epilogue (``stitch_backend.lt_ops``) for a 2-D addmm/mm whose
+        only user is a relu or tanh-gelu that opens the epilogue: one library call for
+        both, then the rest of the epilogue as usual. None where that does not apply."""
+        from stitch_backend import lt_ops
+
+        gm = subtask.graph
+        nodes = {n.name: n for n in gm.graph.nodes}
+        anchors = [nodes[n] for n in head.nodes
+                   if nodes[n].target in (aten.addmm.default, aten.mm.default)]
+        if len(anchors) != 1:
+            return None
+        mm = anchors[0]
+        val = mm.meta.get("val")
+        if (not isinstance(val, torch.Tensor) or val.dim() != 2 or val.dtype not in lt_ops.DTYPES
+                or (val.device.type != "cuda" and not self.library_on_cpu) or mm.kwargs
+                or any(isinstance(s, torch.SymInt) for s in val.shape)):
+            return None
+        is_addmm = mm.target is aten.addmm.default
+        if is_addmm:
+            bias = mm.args[0].meta.get("val") if isinstance(mm.args[0], torch.fx.Node) else None
+            if (len(mm.args) != 3 or not isinstance(bias, torch.Tensor) or bias.dim() != 1
+                    or bias.shape[0] != val.shape[1]):
+                return None
+        if len(mm.users) != 1:
+            return None
+        (act,) = mm.users
+        epilogue = lt_ops.activation_epilogue(act)
+        compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
+        if epilogue is None or not compute or compute[0] != act.name:
+            return None
+        sub = sub_region(gm, list(head.nodes) + [act.name], subtask.region_id, 800)
+        module = region_module(gm, sub)
+        graph = module.graph
+        local = {n.name: n for n in graph.nodes}
+        l_mm, l_act = local[mm.name], local[act.name]
+        with graph.inserting_before(l_act):
+            if is_addmm:
+                call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], f"{epilogue}_BIAS"))
+            else:
+                call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], epilogue))
+        call.meta = dict(l_act.meta)
+        l_act.replace_all_uses_with(call)
+        graph.erase_node(l_act)
+        graph.erase_node(l_mm)
+        graph.lint()
+        stages = [Stage(sub, module=torch.fx.GraphModule(module, graph,
+                                                         class_name=f"{subtask.region_name}_lt"))]
+        rest = [n for n in part.nodes if n != act.name]
+        if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
+            try:
+                stages += self._kernel_stages(subtask, rest, "epilogue")
+            except NoCandidate:
+                rest_sub = sub_region(gm, rest, subtask.region_id, 801)
+                stages.append(Stage(rest_sub, module=region_module(gm, rest_sub)))
+        elif rest:
+            rest_sub = sub_region(gm, rest, subtask.region_id, 801)
+            stages.append(Stage(rest_sub, module=region_module(gm, rest_sub)))
+        kernels = [st.kernel for st in stages if st.kernel is not None]
+        # The source names what runs (the cache finds a stored winner by its hash) and
+        # compiles as the epilogue's kernels, if any.
+        header = (f"// {subtask.region_name}_lt: cuBLASLt {mm.target}"
+                  f"{' + bias' if is_addmm else ''} with epilogue "
+                  f"{epilogue}{'_BIAS' if is_addmm else ''} ({act.target}), "
+                  f"{tuple(val.shape)} {val.dtype}\n")
+        return Candidate(region_id=subtask.region_id, origin=self.origin,
+                         name=f"{subtask.region_name}_lt",
+                         source=header + "\n".join(k.source for k in kernels),
+                         kernel=kernels[0] if kernels else None,
+                         signature=kernels[0].signature if kernels else "", stages=stages,
+                         region_inputs=list(subtask.region.inputs),
+                         region_outputs=list(subtask.region.outputs))
 
     def _candidate(self, subtask: Subtask, name: str, stages: list[Stage],
                    outputs: list[str]) -> Candidate:

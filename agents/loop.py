@@ -79,7 +79,8 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             trajectory.attempts.append(Attempt("generate", cand, None))
         return out
     t0 = time.perf_counter()
-    alternatives = [a for c in proposals for a in c.alternatives]
+    # a library-only alternative (a cuBLASLt call, no generated kernel) compiles nothing
+    alternatives = [a for c in proposals for a in c.alternatives if a.kernels]
     jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
             for c in proposals + alternatives]
     results = compile_many(jobs, max_workers=workers or None) if jobs else []

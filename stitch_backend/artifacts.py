@@ -192,7 +192,7 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
             return None
         if k.get("cubin"):
             cand.cubin = entry.read(k["cubin"])
-        elif not interpreted:
+        elif not interpreted and cand.kernels:   # a library-only candidate has none
             say(f"cache entry {entry.key[:12]} has no cubin for {k['name']}; rebuilding")
             return None
         runners[region.id] = runner_for(cand, base=base)

@@ -100,7 +100,7 @@ def runner_for(candidate: Any, base: Any = None) -> Any:
     if candidate.stages is None:
         return base(candidate)
     module = None
-    if base is KernelRunner:
+    if base is KernelRunner and candidate.kernels:   # library-only candidates load nothing
         from .cuda_driver import CudaModule
 
         module = CudaModule(candidate.cubin)

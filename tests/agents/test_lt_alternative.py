@@ -1,0 +1,127 @@
+"""The cuBLASLt alternative for gemm regions: proposed where one library call can do the
+product and its activation, built as a stage module calling ``stitch_backend.lt_ops``,
+the rest of the epilogue as kernels; its values checked on CPU with a stand-in for the
+library call (the call itself is GPU-tested in tests/csrc/test_gemm_lt.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from stitch_backend import lt_ops
+from stitch_backend.agents.coder import TemplateCoder
+from stitch_backend.agents.state import subtask_for
+from stitch_backend.backend import StitchBackend
+from stitch_backend.kernels import InterpretedRunner, runner_for
+from stitch_backend.regions import region_module
+
+
+class Linear(nn.Module):
+    def __init__(self, act, bias=True, tail=True, keep_pre=False):
+        super().__init__()
+        self.lin = nn.Linear(32, 48, bias=bias)
+        self.act, self.tail, self.keep_pre = act, tail, keep_pre
+
+    def forward(self, x):
+        y = self.lin(x)
+        z = self.act(y)
+        if self.tail:
+            z = z * 2.0 + 1.0
+        return (z, y) if self.keep_pre else z
+
+
+def _gemm_candidates(model, x):
+    backend = StitchBackend(options={"codegen": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    (rec,) = backend.records
+    out = []
+    for region in rec.plan.regions:
+        if region.kind.value == "gemm":
+            cand = TemplateCoder(library_on_cpu=True).propose(subtask_for(rec.gm, region, "k"))
+            out.append((rec, region, cand))
+    return out
+
+
+def _reference_matmul(a, b, bias, epilogue):
+    y = a @ b + (bias if bias is not None else 0)
+    return torch.relu(y) if epilogue.startswith("RELU") else F.gelu(y, approximate="tanh")
+
+
+@pytest.mark.parametrize("act,bias,tail,epilogue", [
+    (torch.relu, True, True, "RELU_BIAS"),
+    (lambda y: F.gelu(y, approximate="tanh"), True, False, "GELU_BIAS"),
+    (torch.relu, False, True, "RELU"),
+], ids=["relu_bias_tail", "tanh_gelu_bias", "relu_no_bias"])
+def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue):
+    calls = []
+
+    def stand_in(a, b, bias_, epi):
+        calls.append(epi)
+        return _reference_matmul(a, b, bias_, epi)
+    monkeypatch.setattr(lt_ops, "_matmul", stand_in)
+    torch.manual_seed(0)
+    ((rec, region, cand),) = _gemm_candidates(Linear(act, bias, tail), torch.randn(16, 32))
+    (alt,) = [a for a in cand.alternatives if a.name.endswith("_lt")]
+    assert alt.source.startswith("// k_lt: cuBLASLt") and epilogue in alt.source.splitlines()[0]
+    library, *rest = alt.stages
+    assert library.kernel is None and library.module is not None
+    assert len([s for s in rest if s.kernel is not None]) == (1 if tail else 0)
+    vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(vals[n].shape, generator=gen) for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    got = runner_for(alt, base=InterpretedRunner)(*inputs)
+    assert calls == [epilogue]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model", [
+    Linear(F.gelu),                               # exact GELU: cuBLASLt's is the tanh form
+    Linear(torch.relu, keep_pre=True),            # the product itself is an output too
+    Linear(torch.sigmoid),                        # no such epilogue
+], ids=["exact_gelu", "pre_activation_used", "sigmoid"])
+def test_no_alternative_where_one_call_cannot_do_it(model):
+    for _, _, cand in _gemm_candidates(model, torch.randn(16, 32)):
+        assert not [a for a in cand.alternatives if a.name.endswith("_lt")]
+
+
+def test_not_proposed_for_cpu_graphs_by_default():
+    backend = StitchBackend(options={"codegen": False})
+    model = Linear(torch.relu)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(16, 32))
+    (rec,) = backend.records
+    region = next(r for r in rec.plan.regions if r.kind.value == "gemm")
+    cand = TemplateCoder().propose(subtask_for(rec.gm, region, "k"))
+    assert not [a for a in cand.alternatives if a.name.endswith("_lt")]
+
+
+@pytest.mark.nvcc
+def test_alternative_with_epilogue_kernels_compiles_for_sm90a():
+    from stitch_backend.toolchain import CompileJob, compile_many, csrc_dir
+
+    ((_, _, cand),) = _gemm_candidates(Linear(torch.relu), torch.randn(16, 32))
+    (alt,) = [a for a in cand.alternatives if a.name.endswith("_lt")]
+    (result,) = compile_many([CompileJob(source=alt.source, name=alt.name, arch="sm_90a",
+                                         include_dirs=(csrc_dir(),))])
+    assert not isinstance(result, Exception), result
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_pipeline_races_it_and_stays_correct():
+    """The library call, verified like any candidate; the report says which won."""
+    torch.manual_seed(0)
+    model = Linear(torch.relu).cuda()
+    x = torch.randn(512, 32, device="cuda")
+    backend = StitchBackend(options={"cache": False})
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    verified = [a for t in backend.trajectories for a in t.attempts
+                if a.action == "verify" and a.candidate.name.endswith("_lt")]
+    assert verified and all(a.verdict.correct for a in verified), [a.verdict for a in verified]
