@@ -43,12 +43,15 @@ class TemplateCoder:
     # Generation attempts allowed while replanning one region (each costs milliseconds).
     max_attempts = 48
 
+    # Library (cuBLASLt) alternatives run on CUDA only; tests of their construction and
+    # of the pipeline around them ask for them on CPU graphs too.
+    library_on_cpu = False
+
     def __init__(self, sm_count: int = 132, split_stats: bool = False,
-                 library_on_cpu: bool = False):
+                 library_on_cpu: bool | None = None):
         self.sm_count = sm_count
-        # Library (cuBLASLt) alternatives run on CUDA only; tests of their construction
-        # ask for them on CPU graphs too.
-        self.library_on_cpu = library_on_cpu
+        if library_on_cpu is not None:
+            self.library_on_cpu = library_on_cpu
         # Also propose the split-statistics alternative for training BatchNorm over few
         # channels of a contiguous (NCHW) input (``agents.split_stats``; channels-last
         # inputs always get it); the Verifier keeps the faster one.

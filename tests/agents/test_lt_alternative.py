@@ -125,3 +125,39 @@ def test_on_cuda_the_pipeline_races_it_and_stays_correct():
     verified = [a for t in backend.trajectories for a in t.attempts
                 if a.action == "verify" and a.candidate.name.endswith("_lt")]
     assert verified and all(a.verdict.correct for a in verified), [a.verdict for a in verified]
+
+
+def test_a_library_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
+    """The whole pipeline on CPU (cpu_interpret), the library call by a stand-in: the
+    library-only candidate, verified, wins its region (CPU runs are not timed, so the
+    race is scripted: the last verified candidate wins), is stored without a cubin, and
+    a second compile loads it from the cache."""
+    import copy
+
+    import torch._dynamo
+
+    from stitch_backend.agents import acceptance
+
+    monkeypatch.setattr(acceptance, "_faster", lambda a, b: True)
+    monkeypatch.setattr(TemplateCoder, "library_on_cpu", True)
+    monkeypatch.setattr(lt_ops, "_matmul", _reference_matmul)
+    torch.manual_seed(0)
+    model = Linear(torch.relu, tail=False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(64, 32)
+    options = {"cpu_interpret": True, "cache_dir": str(tmp_path), "eager_guard": False}
+    records = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        backend = StitchBackend(options=options)
+        compiled = torch.compile(model, backend=backend)
+        with torch.no_grad():
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
+        (rec,) = backend.records
+        records.append(rec)
+    first, second = records
+    gemm = [r for r in first.plan.regions if r.kind.value == "gemm"]
+    assert gemm and gemm[0].backend == "kernel" and gemm[0].kernel.endswith("_lt"), gemm
+    assert not first.cached and second.cached, second.notes
+    assert [r.kernel for r in second.plan.regions] == [r.kernel for r in first.plan.regions]
