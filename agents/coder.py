@@ -84,8 +84,9 @@ class TemplateCoder:
 
     def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
         """cuBLASLt's fused epilogue (``stitch_backend.lt_ops``) for a 2-D addmm/mm whose
-        only user is a relu or tanh-gelu that opens the epilogue: one library call for
-        both, then the rest of the epilogue as usual. None where that does not apply."""
+        only user is a relu or tanh-gelu that opens the epilogue (directly, or through
+        the one view a Linear on 3-D input adds): one library call for both, then the
+        rest of the epilogue as usual. None where that does not apply."""
         from stitch_backend import lt_ops
 
         gm = subtask.graph
@@ -109,11 +110,15 @@ class TemplateCoder:
         if len(mm.users) != 1:
             return None
         (act,) = mm.users
+        view = None
+        if act.target in (aten.view.default, aten._unsafe_view.default) and len(act.users) == 1:
+            view, (act,) = act, act.users    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
         epilogue = lt_ops.activation_epilogue(act)
         compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
         if epilogue is None or not compute or compute[0] != act.name:
             return None
-        sub = sub_region(gm, list(head.nodes) + [act.name], subtask.region_id, 800)
+        taken = [view.name] if view is not None else []
+        sub = sub_region(gm, list(head.nodes) + taken + [act.name], subtask.region_id, 800)
         module = region_module(gm, sub)
         graph = module.graph
         local = {n.name: n for n in graph.nodes}
@@ -123,14 +128,21 @@ class TemplateCoder:
                 call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], f"{epilogue}_BIAS"))
             else:
                 call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], epilogue))
-        call.meta = dict(l_act.meta)
-        l_act.replace_all_uses_with(call)
+            call.meta = dict(l_mm.meta)
+            result = call
+            if view is not None:
+                l_view = local[view.name]
+                result = graph.call_function(l_view.target, (call, *l_view.args[1:]))
+                result.meta = dict(l_act.meta)
+        l_act.replace_all_uses_with(result)
         graph.erase_node(l_act)
+        if view is not None:
+            graph.erase_node(local[view.name])
         graph.erase_node(l_mm)
         graph.lint()
         stages = [Stage(sub, module=torch.fx.GraphModule(module, graph,
                                                          class_name=f"{subtask.region_name}_lt"))]
-        rest = [n for n in part.nodes if n != act.name]
+        rest = [n for n in part.nodes if n != act.name and n not in taken]
         if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
             try:
                 stages += self._kernel_stages(subtask, rest, "epilogue")

@@ -50,12 +50,13 @@ def _reference_matmul(a, b, bias, epilogue):
     return torch.relu(y) if epilogue.startswith("RELU") else F.gelu(y, approximate="tanh")
 
 
-@pytest.mark.parametrize("act,bias,tail,epilogue", [
-    (torch.relu, True, True, "RELU_BIAS"),
-    (lambda y: F.gelu(y, approximate="tanh"), True, False, "GELU_BIAS"),
-    (torch.relu, False, True, "RELU"),
-], ids=["relu_bias_tail", "tanh_gelu_bias", "relu_no_bias"])
-def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue):
+@pytest.mark.parametrize("act,bias,tail,epilogue,shape", [
+    (torch.relu, True, True, "RELU_BIAS", (16, 32)),
+    (lambda y: F.gelu(y, approximate="tanh"), True, False, "GELU_BIAS", (16, 32)),
+    (torch.relu, False, True, "RELU", (16, 32)),
+    (lambda y: F.gelu(y, approximate="tanh"), True, True, "GELU_BIAS", (2, 8, 32)),
+], ids=["relu_bias_tail", "tanh_gelu_bias", "relu_no_bias", "tanh_gelu_3d_input"])
+def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue, shape):
     calls = []
 
     def stand_in(a, b, bias_, epi):
@@ -63,7 +64,7 @@ def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue)
         return _reference_matmul(a, b, bias_, epi)
     monkeypatch.setattr(lt_ops, "_matmul", stand_in)
     torch.manual_seed(0)
-    ((rec, region, cand),) = _gemm_candidates(Linear(act, bias, tail), torch.randn(16, 32))
+    ((rec, region, cand),) = _gemm_candidates(Linear(act, bias, tail), torch.randn(shape))
     (alt,) = [a for a in cand.alternatives if a.name.endswith("_lt")]
     assert alt.source.startswith("// k_lt: cuBLASLt") and epilogue in alt.source.splitlines()[0]
     library, *rest = alt.stages
