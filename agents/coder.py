@@ -143,15 +143,17 @@ class TemplateCoder:
         stages = [Stage(sub, module=torch.fx.GraphModule(module, graph,
                                                          class_name=f"{subtask.region_name}_lt"))]
         rest = [n for n in part.nodes if n != act.name and n not in taken]
-        if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
-            try:
-                stages += self._kernel_stages(subtask, rest, "epilogue")
-            except NoCandidate:
+        if rest:
+            rest_stages: list[Stage] = []
+            if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
+                try:
+                    rest_stages = self._kernel_stages(subtask, rest, "epilogue")
+                except NoCandidate:
+                    pass
+            if not rest_stages:   # views alone, or nothing that generates: ATen
                 rest_sub = sub_region(gm, rest, subtask.region_id, 801)
-                stages.append(Stage(rest_sub, module=region_module(gm, rest_sub)))
-        elif rest:
-            rest_sub = sub_region(gm, rest, subtask.region_id, 801)
-            stages.append(Stage(rest_sub, module=region_module(gm, rest_sub)))
+                rest_stages = [Stage(rest_sub, module=region_module(gm, rest_sub))]
+            stages += rest_stages
         kernels = [st.kernel for st in stages if st.kernel is not None]
         # The source names what runs (the cache finds a stored winner by its hash) and
         # compiles as the epilogue's kernels, if any.

@@ -22,6 +22,8 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from stitch_backend.regions import copy_graph
+
 aten = torch.ops.aten
 BN_TRAIN = aten._native_batch_norm_legit_functional.default
 
@@ -107,7 +109,7 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
         return None
     if groups is None or n * h * w < 2:
         return None
-    new = torch.fx.GraphModule(module, _copy(module.graph))
+    new = torch.fx.GraphModule(module, copy_graph(module.graph))
     bn = next(nd for nd in new.graph.nodes if nd.target is BN_TRAIN)
     x, weight, bias, rmean, rvar = bn.args[:5]
     count = float(n * h * w)
@@ -191,14 +193,6 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     new.recompile()
     _propagate_metas(new)
     return StatsSplit(new, [s for s in stages if s], groups)
-
-
-def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
-    out = torch.fx.Graph()
-    env: dict = {}
-    value = out.graph_copy(graph, env)
-    out.output(value)
-    return out
 
 
 def _propagate_metas(module: torch.fx.GraphModule) -> None:

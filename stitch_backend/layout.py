@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from .regions import copy_graph
+
 aten = torch.ops.aten
 CONV = aten.convolution.default
 # Results depend on the input's strides, not only its values.
@@ -111,7 +113,7 @@ def to_channels_last(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, La
     why = ineligible(gm)
     if why is not None:
         return gm, LayoutResult(False, why)
-    new = torch.fx.GraphModule(gm, _copy(gm.graph))
+    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     try:
         result = _Rewrite(new).run()
     except _Abort as err:
@@ -143,7 +145,7 @@ class _Rewrite:
             if node.op in ("placeholder", "get_attr"):
                 continue
             if node.op == "output":
-                node.args = (self._map_tensors(node.args[0], self._restore_before(node)),)
+                node.args = (torch.fx.node.map_arg(node.args[0], self._restore_before(node)),)
                 break
             if node in self.conv_nodes:
                 self._to_channels_last_input(node)
@@ -174,8 +176,9 @@ class _Rewrite:
         node.args = (self._clone(x, node, torch.channels_last),) + tuple(node.args[1:])
 
     def _restore_inputs(self, node: torch.fx.Node) -> None:
-        node.args = self._map_tensors(node.args, self._restore_before(node))
-        node.kwargs = self._map_tensors(node.kwargs, self._restore_before(node))
+        restore = self._restore_before(node)
+        node.args = torch.fx.node.map_arg(node.args, restore)
+        node.kwargs = torch.fx.node.map_arg(node.kwargs, restore)
 
     def _restore_before(self, user: torch.fx.Node):
         def restore(arg: torch.fx.Node) -> torch.fx.Node:
@@ -226,23 +229,12 @@ class _Rewrite:
         with self.mode:
             return node.target(*args, **kwargs)
 
-    @staticmethod
-    def _map_tensors(value, fn):
-        return torch.fx.node.map_arg(value, fn)
-
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, and the same strides wherever a dimension has more than one element."""
     if tuple(a.shape) != tuple(b.shape):
         return False
     return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
-
-
-def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
-    out = torch.fx.Graph()
-    env: dict = {}
-    out.output(out.graph_copy(graph, env))
-    return out
 
 
 __all__ = ["CONVERSION", "LayoutResult", "convolutions", "ineligible", "same_layout", "to_channels_last"]

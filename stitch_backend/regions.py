@@ -49,6 +49,14 @@ def _lazy_module(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> tor
         return _make_graph_module(root, graph, class_name=name)
 
 
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph`` (nodes, metas and output), for passes that rewrite a copy."""
+    out = torch.fx.Graph()
+    env: dict = {}
+    out.output(out.graph_copy(graph, env))
+    return out
+
+
 def boundary(gm: torch.fx.GraphModule, names: list[str]) -> tuple[list[str], list[str]]:
     """(inputs, outputs) of the node set ``names``: values read from outside it, and its
     values read outside it (by other nodes or the graph output), each in graph order."""

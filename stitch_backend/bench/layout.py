@@ -20,17 +20,12 @@ from .worker import TaskConfig, build_model, draw_inputs
 
 def replay_ms(fn: Callable[[], Any], reps: int = 20, repeats: int = 5) -> float:
     """Median over ``repeats`` of the mean time of ``reps`` back-to-back replays of one
-    CUDA graph of ``fn`` (captured after three warm calls on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    CUDA graph of ``fn`` (``cudagraphs.capture``, after two warm calls)."""
+    from ..cudagraphs import capture
+
+    for _ in range(2):
         fn()
+    graph, _ = capture(fn)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
