@@ -19,6 +19,16 @@ strides. What depends on strides gets the traced layout back first:
 
 Values never change, only strides; anything the pass cannot restore (an input whose
 traced layout was neither contiguous nor channels-last) leaves the graph as it was.
+
+Precision can change: cuDNN chooses its algorithm per layout, and with
+``torch.backends.cudnn.allow_tf32`` (on by default) it may pick a TF32 NHWC kernel for a
+convolution that it runs in exact fp32 when the input is NCHW (seen on the H200 for the
+test zoo's small convolutions: normalised error 4.4e-4 against eager's 2.5e-7). So before
+the rewrite every distinct convolution runs once both ways on random inputs of its traced
+sizes and strides, beside an fp64 run, and DESIGN.md's rule (``correctness.compare``)
+judges the channels-last result against the traced layout's; one that fails leaves the
+graph as traced, with the reason. The check depends on sizes, dtypes and cuDNN's
+choices, not on the values, so it runs at compile time, warm starts included.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .correctness import compare
 from .regions import copy_graph
 
 aten = torch.ops.aten
@@ -110,7 +121,7 @@ def ineligible(gm: torch.fx.GraphModule) -> str | None:
 def to_channels_last(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, LayoutResult]:
     """``gm`` rewritten so its 2-D convolutions run channels-last (a new module; ``gm``
     is not changed), or ``gm`` itself with the reason when the pass does not apply."""
-    why = ineligible(gm)
+    why = ineligible(gm) or precision_loss(convolutions(gm))
     if why is not None:
         return gm, LayoutResult(False, why)
     new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -230,6 +241,70 @@ class _Rewrite:
             return node.target(*args, **kwargs)
 
 
+def precision_loss(convs: list[torch.fx.Node]) -> str | None:
+    """Why channels-last would make one of ``convs`` less accurate than its traced layout
+    (None: none would). Each distinct convolution (sizes, strides, arguments) runs once
+    as traced, once with a channels-last input and once in fp64, on random inputs."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    seen: set[tuple] = set()
+    for node in convs:
+        key = _conv_key(node)
+        if key in seen:
+            continue
+        seen.add(key)
+        with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
+            try:
+                traced, nhwc, fp64 = conv_outputs(node)
+            except Exception as err:  # noqa: BLE001 - no verdict: no rewrite
+                return (f"the precision check of {node.name} could not run "
+                        f"({type(err).__name__}: {err})")
+            cmp = compare(nhwc, traced, fp64)
+        if not cmp.ok_design:
+            return (f"{node.name} ({_describe(node)}) is less accurate with a channels-last "
+                    f"input ({cmp.reason}; cuDNN's kernel choice differs by layout, e.g. "
+                    "TF32 in NHWC where NCHW is exact fp32)")
+    return None
+
+
+def conv_outputs(node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(traced-layout, channels-last-input, fp64) results of the convolution ``node`` on
+    random inputs with its traced sizes and strides, all returned contiguous (call it
+    outside any fake mode)."""
+    gen: dict[torch.device, torch.Generator] = {}
+
+    def real(a: Any) -> Any:
+        if not isinstance(a, torch.fx.Node):
+            return a
+        v = a.meta["val"]
+        g = gen.setdefault(v.device, torch.Generator(v.device).manual_seed(0))
+        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        return t.copy_(torch.randn(v.shape, dtype=v.dtype, device=v.device, generator=g))
+
+    args = [real(a) for a in node.args]
+    traced = CONV(*args)
+    x_cl = args[0].contiguous(memory_format=torch.channels_last)
+    nhwc = CONV(x_cl, *args[1:])
+    up = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
+    fp64 = CONV(*up)
+    return traced.contiguous(), nhwc.contiguous(), fp64.contiguous()
+
+
+def _conv_key(node: torch.fx.Node) -> tuple:
+    def one(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            v = a.meta["val"]
+            return (tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device))
+        return tuple(a) if isinstance(a, (list, tuple)) else a
+    return tuple(one(a) for a in node.args)
+
+
+def _describe(node: torch.fx.Node) -> str:
+    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+    return (f"{'x'.join(map(str, w.shape[2:]))} convolution, {x.shape[1]}->{w.shape[0]} "
+            f"channels on {x.shape[2]}x{x.shape[3]}, {str(x.dtype).replace('torch.', '')}")
+
+
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, and the same strides wherever a dimension has more than one element."""
     if tuple(a.shape) != tuple(b.shape):
@@ -237,4 +312,5 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
-__all__ = ["CONVERSION", "LayoutResult", "convolutions", "ineligible", "same_layout", "to_channels_last"]
+__all__ = ["CONVERSION", "LayoutResult", "conv_outputs", "convolutions", "ineligible",
+           "precision_loss", "same_layout", "to_channels_last"]
