@@ -2,7 +2,10 @@
 
 Two templates:
   * pointwise: a grid-stride loop over the output space; when every vectorisable tensor
-    is aligned (checked at run time) the loop moves 16 bytes per tensor per step;
+    is aligned (checked at run time) the loop moves 16 bytes per tensor per step. When
+    the stores are contiguous along one index and the loads along another (a layout
+    conversion such as NHWC -> NCHW), the ``tiled`` variant moves 32 x 32 tiles through
+    shared memory so that both the loads and the stores are coalesced;
   * reduction: rows x reduce. A group of TK threads (TK = 2^log2_tk, a launch
     argument) owns one row; ``inner`` layout when the reduced index is contiguous in
     memory (threads of a group are consecutive lanes: shuffles), ``column`` layout when a
@@ -25,6 +28,7 @@ import sympy
 import torch
 
 from .emit_expr import CTYPE, ExprEmitter, Scope, compute_ctype, eligible_vector_access
+from . import indexing as ix
 from .kernel_ir import KernelIR, Load, Reduction, Store, Unsupported, walk
 
 INIT = {
@@ -180,6 +184,9 @@ def _emit_pointwise(ir: KernelIR) -> Emitted:
     k = _Kernel(ir)
     d = ir.domain
     vars_ = list(d.row_vars)
+    tiled = transpose_axes(ir)
+    if tiled is not None:
+        return _emit_tiled(k, ir, *tiled)
     inner = vars_[-1] if vars_ else None
     loads = [n for n in ir.all_exprs() if isinstance(n, Load)]
     stores = [s for s in ir.stores]
@@ -205,6 +212,101 @@ def _emit_pointwise(ir: KernelIR) -> Emitted:
     L += _pointwise_body(k, ir, vars_, 1, {}, {}, "  ", root)
     L.append("}")
     return Emitted("\n".join(L) + "\n", ir.name, sig, "pointwise", "", vec, k.idx64, (), names)
+
+
+# A transposing region is tiled when both of its tile axes are at least this long.
+TILE = 32
+TILE_ROWS = 8      # the block is TILE x TILE_ROWS threads: each moves TILE / TILE_ROWS
+
+
+def transpose_axes(ir: KernelIR) -> tuple[sympy.Symbol, sympy.Symbol] | None:
+    """(store axis, load axis) when ``ir`` is a pointwise region whose stores are all
+    contiguous along its innermost index and whose loads are contiguous along another
+    and none along the innermost (a layout conversion): read coalesced, write coalesced
+    through a shared-memory tile. None where the plain template is as good."""
+    d = ir.domain
+    if ir.symbols or ir.data_vars or len(d.row_vars) < 2:
+        return None
+    ext = dict(zip(d.row_vars, d.row_extents))
+    a = d.row_vars[-1]
+
+    def stride(offset: sympy.Expr, var) -> int | None:
+        if any(var in f.free_symbols for f in offset.atoms(ix.FDiv, ix.IMod)):
+            return None
+        c = sympy.expand(sympy.diff(offset, var))
+        return int(c) if c.is_Integer else None
+
+    if not ir.stores or any(st.guards or stride(st.offset, a) != 1 for st in ir.stores):
+        return None
+    loads = [n for n in dict.fromkeys(ir.all_exprs()) if isinstance(n, Load)]
+    if not loads or any(stride(ld.offset, a) not in (0,) and abs(stride(ld.offset, a) or 1) <= 1
+                        for ld in loads):
+        return None                  # a load is contiguous (or unknown) along the stores'
+    votes: dict = {}
+    for ld in loads:
+        for b in d.row_vars[:-1]:
+            if stride(ld.offset, b) == 1:
+                votes[b] = votes.get(b, 0) + 1
+    if not votes:
+        return None
+    b = max(votes, key=lambda v: votes[v])
+    if int(ext[a]) < TILE or int(ext[b]) < TILE:
+        return None
+    return a, b
+
+
+def _emit_tiled(k: _Kernel, ir: KernelIR, a: sympy.Symbol, b: sympy.Symbol) -> Emitted:
+    """The transposing pointwise template: each block takes TILE x TILE tiles of the
+    (load axis, store axis) plane in a grid-stride loop; threads along the load axis
+    compute the values into shared memory, threads along the store axis write them."""
+    d = ir.domain
+    ext = dict(zip(d.row_vars, d.row_extents))
+    others = [v for v in d.row_vars if v not in (a, b)]
+    params, sig, names = k.signature([], [])
+    IDX = k.IDX
+    L = k.lines
+    L += k.header(f"pointwise, tiled {TILE}x{TILE} through shared memory: loads contiguous "
+                  f"along {b}, stores along {a}")
+    L.append(f'extern "C" __global__ void __launch_bounds__({TILE * TILE_ROWS}) {ir.name}(')
+    L.append("    " + ",\n    ".join(params) + ") {")
+    for i, st in enumerate(ir.stores):
+        L.append(f"  __shared__ {k.ptr[k.out_names[st.out]]} tile{i}[{TILE}][{TILE + 1}];")
+    L.append(f"  const {IDX} n_a = {k.c_size(ext[a])}, n_b = {k.c_size(ext[b])};")
+    L.append(f"  const {IDX} tiles_a = (n_a + {TILE - 1}) / {TILE}, "
+             f"tiles_b = (n_b + {TILE - 1}) / {TILE};")
+    rest = " * ".join(f"({k.c_size(ext[v])})" for v in others) or "1"
+    L.append(f"  const {IDX} tiles = tiles_a * tiles_b * {rest};")
+    L.append(f"  const int tx = threadIdx.x % {TILE}, ty = threadIdx.x / {TILE};")
+    L.append(f"  for ({IDX} t = blockIdx.x; t < tiles; t += gridDim.x) {{")
+    L.append(f"    const {IDX} a0 = (t % tiles_a) * {TILE};")
+    L.append(f"    const {IDX} t_a = t / tiles_a;")
+    L.append(f"    const {IDX} b0 = (t_a % tiles_b) * {TILE};")
+    L.append(f"    const {IDX} t_b = t_a / tiles_b;")
+    tile = Scope(None, set(others), "    ")
+    tile.pre += k.delinearize("t_b", others, [ext[v] for v in others], "    ")
+    em = ExprEmitter(k, ir)
+    load = Scope(tile, {a, b}, "      ")
+    load.pre += [f"      const {IDX} {a} = a0 + j;", f"      const {IDX} {b} = b0 + tx;"]
+    for i, st in enumerate(ir.stores):
+        val = em.value(st.value, load)
+        load.lines.append(f"      tile{i}[j][tx] = sfk_cvt<{k.ptr[k.out_names[st.out]]}>({val});")
+    store = Scope(tile, {a, b}, "      ")
+    store.pre += [f"      const {IDX} {a} = a0 + tx;", f"      const {IDX} {b} = b0 + j;"]
+    for i, st in enumerate(ir.stores):
+        off = em.index(st.offset, store)
+        store.lines.append(f"      {k.out_names[st.out]}[{off}] = tile{i}[tx][j];")
+    L += tile.render()
+    for phase, guard in ((load, f"a0 + j < n_a && b0 + tx < n_b"),
+                         (store, f"a0 + tx < n_a && b0 + j < n_b")):
+        L.append(f"    for (int j = ty; j < {TILE}; j += {TILE_ROWS}) {{")
+        L.append(f"      if (!({guard})) continue;")
+        L += phase.render()
+        L.append("    }")
+        L.append("    __syncthreads();")
+    L.append("  }")
+    L.append("}")
+    return Emitted("\n".join(L) + "\n", ir.name, sig, "pointwise", "tiled", 1, k.idx64, (),
+                   names)
 
 
 def _pointwise_body(k: _Kernel, ir, vars_, vec, vloads, vstores, ind, root) -> list[str]:

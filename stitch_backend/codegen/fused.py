@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from .binding import bind, extents, output_layout
-from .emit_cuda import Emitted, emit
+from .emit_cuda import TILE, TILE_ROWS, Emitted, emit
 from .interp import interpret as _interpret
 from .kernel_ir import KernelIR, Unsupported
 from .lower import lower
@@ -153,6 +153,10 @@ class FusedKernel:
         """(blocks, threads per block, log2 of threads per row) for these sizes."""
         em = self.emitted
         resident = self.sm_count * RESIDENT_THREADS_PER_SM
+        if em.layout == "tiled":    # one TILE x TILE tile per block and step
+            threads = TILE * TILE_ROWS
+            blocks = min(_cdiv(max(rows, 1), TILE * TILE), resident // threads)
+            return max(blocks, 1), threads, 0
         if em.kind == "pointwise":
             threads = POINTWISE_THREADS
             blocks = min(_cdiv(max(rows, 1), threads * em.vec), resident // threads)

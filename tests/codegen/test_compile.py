@@ -27,3 +27,16 @@ def test_every_case_compiles_for_sm90a():
         assert not isinstance(res, toolchain.CompileError), str(res)
         for k in unit:
             assert k.entry.encode() in res.cubin, f"{k.entry} missing from the cubin"
+
+
+def test_layout_conversions_take_the_tiled_template_and_others_do_not():
+    """Loads contiguous along one index, stores along another: 32x32 shared-memory tiles
+    (256 threads, one tile per block and step); every other case keeps the plain loop."""
+    for case in CASES + BIG:
+        k = generate(case.trace(), case.name)
+        tiled = k.emitted.layout == "tiled"
+        assert tiled == case.name.startswith("pw_tiled_"), case.name
+        if tiled:
+            assert "__shared__" in k.source and "__syncthreads();" in k.source
+            blocks, threads, _ = k.launch_shape(2 * 40 * 42, 0)
+            assert (blocks, threads) == (4, 256)
