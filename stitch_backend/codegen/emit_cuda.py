@@ -296,8 +296,8 @@ def _emit_tiled(k: _Kernel, ir: KernelIR, a: sympy.Symbol, b: sympy.Symbol) -> E
         off = em.index(st.offset, store)
         store.lines.append(f"      {k.out_names[st.out]}[{off}] = tile{i}[tx][j];")
     L += tile.render()
-    for phase, guard in ((load, f"a0 + j < n_a && b0 + tx < n_b"),
-                         (store, f"a0 + tx < n_a && b0 + j < n_b")):
+    for phase, guard in ((load, "a0 + j < n_a && b0 + tx < n_b"),
+                         (store, "a0 + tx < n_a && b0 + j < n_b")):
         L.append(f"    for (int j = ty; j < {TILE}; j += {TILE_ROWS}) {{")
         L.append(f"      if (!({guard})) continue;")
         L += phase.render()
