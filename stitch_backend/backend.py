@@ -237,9 +237,13 @@ class StitchBackend:
         from . import layout
 
         runs_kernels = device == "cuda" or (device == "cpu" and self.config.cpu_interpret)
-        if (not self.config.channels_last or stage != "inference" or not runs_kernels
+        if (self.config.channels_last is False or stage != "inference" or not runs_kernels
                 or dynamic or not layout.convolutions(gm)):
             return gm, None
+        if self.config.channels_last is None:
+            why = layout.auto_declines(gm)
+            if why is not None:
+                return gm, layout.LayoutResult(False, why)
         return layout.to_channels_last(gm)
 
     def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,

@@ -67,13 +67,16 @@ class Config:
                        "Time each CUDA inference graph, once settled, against the graph as "
                        "traced (eager, undecomposed) and run whichever is faster."),
     )
-    channels_last: bool = field(
-        default=False,
+    channels_last: bool | None = field(
+        default=None,
         metadata=_meta("STITCHCUDA_CHANNELS_LAST", True,
                        "Run the 2-D convolutions of inference graphs channels-last (NHWC), "
                        "converting layouts once at the graph's edges; outputs keep eager's "
-                       "strides (experimental, off: mixed on the H200 and cuDNN may then "
-                       "pick TF32 kernels where eager's NCHW ones were exact fp32; README)."),
+                       "strides. None ('auto', the default): only where every training "
+                       "BatchNorm after a convolution has at least layout.AUTO_MIN_POSITIONS "
+                       "positions (on the H200 the NHWC statistics kernels lost to ATen "
+                       "below that; README). Never where a convolution would lose precision "
+                       "(cuDNN's TF32 NHWC kernels; checked at compile time)."),
     )
     split_stats: bool = field(
         default=False,

@@ -114,15 +114,34 @@ def test_grouped_convolutions_are_left_alone():
     assert "grouped convolutions (100% of the convolution FLOPs)" in note, note
 
 
-def test_off_by_default():
-    example = conv_bn_relu
-    torch.manual_seed(0)
-    model = example.Model(*example.get_init_inputs())
+def _default_notes(model, x):
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
     with torch.no_grad():
-        torch.compile(model, backend=backend)(example.get_inputs()[0])
-    assert not any(n.startswith("channels-last") for n in backend.records[0].notes)
-    assert all(v.is_contiguous() for v in _conv_inputs(backend.records[0].gm))
+        torch.compile(model, backend=backend)(x)
+    (rec,) = backend.records
+    return [n for n in rec.notes if n.startswith("channels-last")], rec
+
+
+def test_auto_by_default_declines_batchnorm_statistics_over_few_positions(monkeypatch):
+    example = conv_bn_relu
+    torch.manual_seed(0)
+    x = example.get_inputs()[0]
+    (note,), rec = _default_notes(example.Model(*example.get_init_inputs()).train(), x)
+    assert note.startswith("channels-last off: auto: ") and "positions per channel" in note, note
+    assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
+    # The same graph with the threshold below its positions: rewritten.
+    monkeypatch.setattr(layout, "AUTO_MIN_POSITIONS", x.shape[0] * x.shape[2] * x.shape[3] // 4)
+    torch._dynamo.reset()
+    (note,), rec = _default_notes(example.Model(*example.get_init_inputs()).train(), x)
+    assert note.startswith("channels-last: "), note
+    assert all(v.is_contiguous(memory_format=torch.channels_last) for v in _conv_inputs(rec.gm))
+
+
+def test_auto_rewrites_convolutions_without_training_batchnorm():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    (note,), rec = _default_notes(model, torch.randn(2, 3, 6, 6))
+    assert note.startswith("channels-last: 2 convolution(s) run NHWC"), note
 
 
 def test_option_off_and_training_graphs_keep_the_traced_layout():
