@@ -180,8 +180,14 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
             continue
 
         if cls in _FUSIBLE and node.meta.get(LAYOUT_CONVERSION):
-            # a layout conversion is a region of its own (see stitch_backend.layout)
-            add(node, open_region(RegionKind.FUSED, make_current=False))
+            # A layout conversion is a region of its own (see stitch_backend.layout),
+            # unless it ends a convolution whose epilogue is pointwise: the epilogue
+            # kernel then writes the traced layout itself through the tiled template.
+            if _pointwise_tail(node, current) and consumes_current(node) \
+                    and max(_producers(node)) <= regions.index(current):
+                add(node, current)
+            else:
+                add(node, open_region(RegionKind.FUSED, make_current=False))
             continue
 
         if cls in _FUSIBLE:
@@ -231,6 +237,21 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
     plan = _finish(gm, regions, graph_name)
     check_plan(gm, plan)
     return plan
+
+
+def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:
+    """Whether the layout conversion ``node`` may end convolution ``region``: back to the
+    contiguous layout, of the region's last value and its only use, after an epilogue
+    of pointwise ops and views only (a reduction's kernel could not tile the store)."""
+    if region is None or region.kind is not RegionKind.CONV or not region.nodes:
+        return False
+    if node.kwargs.get("memory_format") is not torch.contiguous_format:
+        return False
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node) or src is not region.nodes[-1] or len(src.users) != 1:
+        return False
+    return all(classify(n) in (OpClass.CONV, OpClass.POINTWISE, OpClass.VIEW)
+               for n in region.nodes)
 
 
 def _is_epilogue(node: torch.fx.Node, cls: OpClass, region: _Open) -> bool:

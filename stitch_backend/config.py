@@ -68,15 +68,14 @@ class Config:
                        "traced (eager, undecomposed) and run whichever is faster."),
     )
     channels_last: bool | None = field(
-        default=None,
+        default=False,
         metadata=_meta("STITCHCUDA_CHANNELS_LAST", True,
                        "Run the 2-D convolutions of inference graphs channels-last (NHWC), "
                        "converting layouts once at the graph's edges; outputs keep eager's "
-                       "strides. None ('auto', the default): only where every training "
-                       "BatchNorm after a convolution has at least layout.AUTO_MIN_POSITIONS "
-                       "positions (on the H200 the NHWC statistics kernels lost to ATen "
-                       "below that; README). Never where a convolution would lose precision "
-                       "(cuDNN's TF32 NHWC kernels; checked at compile time)."),
+                       "strides. 'auto' (None): only where every training BatchNorm has at "
+                       "least layout.AUTO_MIN_POSITIONS positions per channel. Never where a "
+                       "convolution would lose precision (cuDNN's TF32 NHWC kernels; checked "
+                       "at compile time). Off by default: not yet a measured win (README)."),
     )
     split_stats: bool = field(
         default=False,

@@ -77,8 +77,9 @@ def test_views_and_as_strided_see_the_traced_layout():
     assert rec.notes[0].startswith("channels-last: 2 convolution(s)"), rec.notes
 
 
-def test_each_layout_conversion_is_a_region_of_its_own():
-    """Fused into a neighbour, a kernel would read one layout and write the other."""
+def test_a_layout_conversion_after_a_reduction_is_a_region_of_its_own():
+    """Fused after BatchNorm statistics, the kernel would read one layout and write the
+    other element by element (no tiled template for reductions)."""
     example = residual_block
     backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0])
     (rec,) = backend.records
@@ -88,6 +89,36 @@ def test_each_layout_conversion_is_a_region_of_its_own():
     for region in rec.plan.regions:
         if any(nodes[n] in conversions for n in region.nodes):
             assert region.kind.value == "fused" and len(region.nodes) == 1, region
+
+
+class ConvEpilogue(nn.Module):
+    """A convolution with a pointwise epilogue, its output back to NCHW."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 40, 3, padding=1)
+        self.bias = nn.Parameter(torch.randn(40, 1, 1))
+
+    def forward(self, x):
+        return torch.relu(self.conv(x)) + self.bias
+
+
+def test_the_output_conversion_ends_a_pointwise_epilogue_through_the_tiled_template():
+    from stitch_backend.codegen import generate
+    from stitch_backend.regions import boundary, region_module
+
+    backend = _check(ConvEpilogue, torch.randn(2, 3, 8, 8))
+    (rec,) = backend.records
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    tail = [n for n in conv.nodes if layout.CONVERSION in nodes[n].meta]
+    assert len(tail) == 1 and conv.nodes[-1] == tail[0], conv.nodes
+    epilogue = [n for n in conv.nodes if nodes[n].target is not aten.convolution.default]
+    region = rec.plan.regions[conv.id]
+    sub = type(region)(id=99, kind=region.kind, nodes=epilogue, ops=[], inputs=[], outputs=[])
+    sub.inputs, sub.outputs = boundary(rec.gm, epilogue)
+    kernel = generate(region_module(rec.gm, sub), "epilogue_tiled")
+    assert kernel.emitted.layout == "tiled", kernel.source
 
 
 class Transposed(nn.Module):
@@ -114,25 +145,36 @@ def test_grouped_convolutions_are_left_alone():
     assert "grouped convolutions (100% of the convolution FLOPs)" in note, note
 
 
-def _default_notes(model, x):
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
+def _auto_notes(model, x):
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "channels_last": "auto"})
     with torch.no_grad():
         torch.compile(model, backend=backend)(x)
     (rec,) = backend.records
     return [n for n in rec.notes if n.startswith("channels-last")], rec
 
 
-def test_auto_by_default_declines_batchnorm_statistics_over_few_positions(monkeypatch):
+def test_off_by_default():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 3, 6, 6))
+    assert not any(n.startswith("channels-last") for n in backend.records[0].notes)
+    assert all(v.is_contiguous() for v in _conv_inputs(backend.records[0].gm))
+
+
+def test_auto_declines_batchnorm_statistics_over_few_positions(monkeypatch):
     example = conv_bn_relu
     torch.manual_seed(0)
     x = example.get_inputs()[0]
-    (note,), rec = _default_notes(example.Model(*example.get_init_inputs()).train(), x)
+    (note,), rec = _auto_notes(example.Model(*example.get_init_inputs()).train(), x)
     assert note.startswith("channels-last off: auto: ") and "positions per channel" in note, note
     assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
     # The same graph with the threshold below its positions: rewritten.
     monkeypatch.setattr(layout, "AUTO_MIN_POSITIONS", x.shape[0] * x.shape[2] * x.shape[3] // 4)
     torch._dynamo.reset()
-    (note,), rec = _default_notes(example.Model(*example.get_init_inputs()).train(), x)
+    (note,), rec = _auto_notes(example.Model(*example.get_init_inputs()).train(), x)
     assert note.startswith("channels-last: "), note
     assert all(v.is_contiguous(memory_format=torch.channels_last) for v in _conv_inputs(rec.gm))
 
@@ -140,7 +182,7 @@ def test_auto_by_default_declines_batchnorm_statistics_over_few_positions(monkey
 def test_auto_rewrites_convolutions_without_training_batchnorm():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
-    (note,), rec = _default_notes(model, torch.randn(2, 3, 6, 6))
+    (note,), rec = _auto_notes(model, torch.randn(2, 3, 6, 6))
     assert note.startswith("channels-last: 2 convolution(s) run NHWC"), note
 
 
