@@ -6,6 +6,9 @@ Layout under the root (all folders 0o700, all files 0o600)::
     entries/<key[:2]>/<key>/<artifact>      cubin, .so, .cu sources: any bytes
     locks/<key>.lock                        flock files serialising builds of one key
     tmp/                                    entries being written, and entries being removed
+    notes/<kind>/<sha256>.json              small JSON facts measured once per machine and
+                                            versions (``write_note``/``read_note``), such as
+                                            the channels-last precision verdicts
 
 An entry is written into ``tmp/`` and renamed into place, so readers see all of it or
 none of it; once published it is never modified. Its folder's mtime is its last-used
@@ -35,7 +38,7 @@ from . import archive
 from .errors import CacheError, CacheSecurityError, CorruptEntryError, KeyLookupError
 from .integrity import (MANIFEST, Problem, check_artifacts, ownership_problem, read_manifest,
                         sha256_bytes, valid_artifact_name)
-from .keys import CACHE_VERSION, HEX_KEY, CacheKey, cache_root, key_hex
+from .keys import CACHE_VERSION, HEX_KEY, CacheKey, cache_root, canonical_json, key_hex
 from .locking import FileLock
 
 log = logging.getLogger("stitch_backend.cache")
@@ -47,6 +50,7 @@ RESERVED_FIELDS = frozenset({"cache_version", "key", "key_fields", "created", "s
                              "checksums"})
 
 _SHARD = re.compile(r"[0-9a-f]{2}")
+_NOTE_KIND = re.compile(r"[a-z0-9-]+")
 
 # A temp folder this old belongs to a process that died mid-write.
 STALE_TMP_SECONDS = 3600.0
@@ -435,14 +439,52 @@ class Store:
         return True
 
     def clear(self) -> int:
-        """Remove every entry and every temp folder; returns how many entries went. Lock
-        files stay (see locking.py)."""
+        """Remove every entry, every note and every temp folder; returns how many entries
+        went. Lock files stay (see locking.py)."""
         count = 0
         for _, path in self._iter_entry_dirs():
             self._discard(path)
             count += 1
+        if os.path.lexists(self.root / "notes"):
+            self._discard(self.root / "notes")
         self._clean_tmp(max_age=None)
         return count
+
+    # -- notes: small JSON facts keyed by a JSON value ---------------------------------
+    def _note_path(self, kind: str, key: Any) -> Path:
+        if not _NOTE_KIND.fullmatch(kind):
+            raise ValueError(f"note kind {kind!r} is not [a-z0-9-]+")
+        return self.root / "notes" / kind / f"{sha256_bytes(canonical_json(key).encode())}.json"
+
+    def read_note(self, kind: str, key: Any) -> Any:
+        """The value ``write_note(kind, key, value)`` stored, or None (absent, unreadable,
+        not private to this user, or written for another key)."""
+        path = self._note_path(kind, key)
+        try:
+            if self.check_root():
+                return None
+            if not self.trusted_shared:
+                for folder in (path.parent.parent, path.parent, path):
+                    if ownership_problem(folder):
+                        return None
+            doc = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("key") != canonical_json(key):
+            return None
+        return doc.get("value")
+
+    def write_note(self, kind: str, key: Any, value: Any) -> None:
+        """Store ``value`` (JSON) under (``kind``, ``key``), replacing an older one
+        atomically: readers see the old file or the new one, never a part."""
+        path = self._note_path(kind, key)
+        self._ensure_root()
+        _mkdir_private(self.root / "notes")
+        _mkdir_private(path.parent)
+        data = json.dumps({"key": canonical_json(key), "value": value}).encode()
+        tmp = self.root / "tmp" / f"note-{secrets.token_hex(8)}"
+        _write_file(tmp, data)
+        os.replace(tmp, path)
 
     def evict(self, max_bytes: int, *, keep: Iterable[str] = ()) -> list[str]:
         """Remove least recently used entries until the total size is at most

@@ -244,7 +244,12 @@ class StitchBackend:
             why = layout.auto_declines(gm)
             if why is not None:
                 return gm, layout.LayoutResult(False, why)
-        return layout.to_channels_last(gm)
+        notes = None
+        if self.config.cache:
+            from . import artifacts
+
+            notes = artifacts.open_store(self.config.cache_dir)
+        return layout.to_channels_last(gm, notes)
 
     def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,
                interpreted: bool = False, graph_timing: bool = False) -> Program:

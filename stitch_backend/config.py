@@ -68,14 +68,15 @@ class Config:
                        "traced (eager, undecomposed) and run whichever is faster."),
     )
     channels_last: bool | None = field(
-        default=False,
+        default=None,
         metadata=_meta("STITCHCUDA_CHANNELS_LAST", True,
                        "Run the 2-D convolutions of inference graphs channels-last (NHWC), "
                        "converting layouts once at the graph's edges; outputs keep eager's "
                        "strides. 'auto' (None): only where every training BatchNorm has at "
                        "least layout.AUTO_MIN_POSITIONS positions per channel. Never where a "
                        "convolution would lose precision (cuDNN's TF32 NHWC kernels; checked "
-                       "at compile time). Off by default: not yet a measured win (README)."),
+                       "at compile time, the verdicts kept in the cache). README has the "
+                       "measurements behind the default, 'auto'."),
     )
     split_stats: bool = field(
         default=False,

@@ -28,11 +28,14 @@ the rewrite every distinct convolution runs once both ways on random inputs of i
 sizes and strides, beside an fp64 run, and DESIGN.md's rule (``correctness.compare``)
 judges the channels-last result against the traced layout's; one that fails leaves the
 graph as traced, with the reason. The check depends on sizes, dtypes and cuDNN's
-choices, not on the values, so it runs at compile time, warm starts included.
+choices, not on the values, so it runs at compile time; each verdict is kept as a note
+in the cache (keyed by the convolution, the GPU, the torch and cuDNN versions and the
+precision flags), so a warm start runs no convolution.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +45,8 @@ import torch.fx
 
 from .correctness import compare
 from .regions import copy_graph
+
+log = logging.getLogger("stitch_backend.layout")
 
 aten = torch.ops.aten
 CONV = aten.convolution.default
@@ -149,10 +154,12 @@ def auto_declines(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
-def to_channels_last(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, LayoutResult]:
+def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None
+                     ) -> tuple[torch.fx.GraphModule, LayoutResult]:
     """``gm`` rewritten so its 2-D convolutions run channels-last (a new module; ``gm``
-    is not changed), or ``gm`` itself with the reason when the pass does not apply."""
-    why = ineligible(gm) or precision_loss(convolutions(gm))
+    is not changed), or ``gm`` itself with the reason when the pass does not apply.
+    ``notes`` (a cache Store, optional) keeps the precision verdicts across processes."""
+    why = ineligible(gm) or precision_loss(convolutions(gm), notes)
     if why is not None:
         return gm, LayoutResult(False, why)
     new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -272,30 +279,84 @@ class _Rewrite:
             return node.target(*args, **kwargs)
 
 
-def precision_loss(convs: list[torch.fx.Node]) -> str | None:
+NOTE_KIND = "layout-precision"
+
+
+def precision_loss(convs: list[torch.fx.Node], notes: Any = None) -> str | None:
     """Why channels-last would make one of ``convs`` less accurate than its traced layout
     (None: none would). Each distinct convolution (sizes, strides, arguments) runs once
-    as traced, once with a channels-last input and once in fp64, on random inputs."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    as traced, once with a channels-last input and once in fp64, on random inputs, unless
+    ``notes`` (a cache Store) holds its verdict from an earlier run."""
     seen: set[tuple] = set()
     for node in convs:
         key = _conv_key(node)
         if key in seen:
             continue
         seen.add(key)
-        with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
-            try:
-                traced, nhwc, fp64 = conv_outputs(node)
-            except Exception as err:  # noqa: BLE001 - no verdict: no rewrite
-                return (f"the precision check of {node.name} could not run "
-                        f"({type(err).__name__}: {err})")
-            cmp = compare(nhwc, traced, fp64)
-        if not cmp.ok_design:
-            return (f"{node.name} ({_describe(node)}) is less accurate with a channels-last "
-                    f"input ({cmp.reason}; cuDNN's kernel choice differs by layout, e.g. "
-                    "TF32 in NHWC where NCHW is exact fp32)")
+        note_key = _note_key(key, node)
+        stored = _read_note(notes, note_key)
+        if stored is not None:
+            why = stored["why"]
+        else:
+            why, final = _judge(node)
+            if final:
+                _write_note(notes, note_key, {"why": why})
+        if why is not None:
+            return why
     return None
+
+
+def _judge(node: torch.fx.Node) -> tuple[str | None, bool]:
+    """(why ``node`` loses precision channels-last or None, whether that is a verdict
+    worth keeping: a check that could not run is not)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
+        try:
+            traced, nhwc, fp64 = conv_outputs(node)
+        except Exception as err:  # noqa: BLE001 - no verdict: no rewrite
+            return (f"the precision check of {node.name} could not run "
+                    f"({type(err).__name__}: {err})"), False
+        cmp = compare(nhwc, traced, fp64)
+    if cmp.ok_design:
+        return None, True
+    return (f"{node.name} ({_describe(node)}) is less accurate with a channels-last "
+            f"input ({cmp.reason}; cuDNN's kernel choice differs by layout, e.g. "
+            "TF32 in NHWC where NCHW is exact fp32)"), True
+
+
+def _note_key(key: tuple, node: torch.fx.Node) -> dict:
+    """What a stored verdict depends on: the convolution, the device, the versions and
+    every flag that steers cuDNN's choice of kernel."""
+    dev = node.args[0].meta["val"].device
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    cudnn = torch.backends.cudnn
+    return {"conv": repr(key), "gpu": gpu, "torch": torch.__version__,
+            "cudnn": cudnn.version() if cudnn.is_available() else None,
+            "flags": [cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+                      torch.are_deterministic_algorithms_enabled()]}
+
+
+def _read_note(notes: Any, key: dict) -> dict | None:
+    if notes is None:
+        return None
+    try:
+        value = notes.read_note(NOTE_KIND, key)
+    except Exception:  # noqa: BLE001 - a cache problem only costs the check
+        return None
+    if isinstance(value, dict) and "why" in value and (
+            value["why"] is None or isinstance(value["why"], str)):
+        return value
+    return None
+
+
+def _write_note(notes: Any, key: dict, value: dict) -> None:
+    if notes is None:
+        return
+    try:
+        notes.write_note(NOTE_KIND, key, value)
+    except Exception as err:  # noqa: BLE001 - the verdict holds for this process anyway
+        log.debug("channels-last: could not store a precision verdict: %s", err)
 
 
 def conv_outputs(node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

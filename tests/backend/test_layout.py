@@ -4,6 +4,7 @@ stride-dependent uses get the traced layout back, and where it cannot apply it s
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -154,14 +155,16 @@ def _auto_notes(model, x):
     return [n for n in rec.notes if n.startswith("channels-last")], rec
 
 
-def test_off_by_default():
+def test_auto_by_default():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU())
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(2, 3, 6, 6))
-    assert not any(n.startswith("channels-last") for n in backend.records[0].notes)
-    assert all(v.is_contiguous() for v in _conv_inputs(backend.records[0].gm))
+    assert backend.config.channels_last is None
+    assert any(n.startswith("channels-last: ") for n in backend.records[0].notes)
+    assert all(v.is_contiguous(memory_format=torch.channels_last)
+               for v in _conv_inputs(backend.records[0].gm))
 
 
 def test_auto_declines_batchnorm_statistics_over_few_positions(monkeypatch):
@@ -220,6 +223,41 @@ def test_a_convolution_less_accurate_channels_last_leaves_the_graph_as_traced(mo
     note = next(n for n in rec.notes if n.startswith("channels-last"))
     assert note.startswith("channels-last off: ") and "less accurate" in note, note
     assert calls and all(v.is_contiguous() for v in _conv_inputs(rec.gm))
+
+
+def test_precision_verdicts_are_kept_in_the_cache_so_a_warm_start_runs_no_convolution(
+        monkeypatch, tmp_path):
+    real = layout.conv_outputs
+    runs = []
+
+    def counted(node):
+        runs.append(node.name)
+        return real(node)
+
+    monkeypatch.setattr(layout, "conv_outputs", counted)
+    example = residual_block
+    options = {"cache": True, "cache_dir": str(tmp_path)}
+    for _ in range(2):
+        torch._dynamo.reset()
+        backend = _check(lambda: example.Model(*example.get_init_inputs()),
+                         example.get_inputs()[0], **options)
+        assert any(n.startswith("channels-last: ") for n in backend.records[0].notes)
+    first = len(runs)
+    assert first >= 1 and len(runs) == first, runs      # the second compile ran none
+    notes = list((tmp_path / "notes" / layout.NOTE_KIND).iterdir())
+    assert len(notes) == first
+
+    # A stored "less accurate" verdict is honoured without running anything.
+    from stitch_backend.cache import Store
+    store = Store(tmp_path)
+    for path in notes:
+        doc = json.loads(path.read_text())
+        store.write_note(layout.NOTE_KIND, json.loads(doc["key"]), {"why": "stored verdict"})
+    torch._dynamo.reset()
+    backend = _check(lambda: example.Model(*example.get_init_inputs()),
+                     example.get_inputs()[0], **options)
+    note = next(n for n in backend.records[0].notes if n.startswith("channels-last"))
+    assert note == "channels-last off: stored verdict" and len(runs) == first
 
 
 def test_precision_check_runs_each_distinct_convolution_once_and_passes_exact_ones(monkeypatch):

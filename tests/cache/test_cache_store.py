@@ -425,3 +425,41 @@ def test_entry_that_is_a_file_is_discarded_and_rebuilt(store, make_key, artifact
     assert "not a directory" in store.verify()[0].reason
     assert store.get(make_key()) is None and not path.exists()
     assert store.get_or_build(make_key(), lambda: ({}, artifacts())).path.is_dir()
+
+
+# ---------------------------------------------------------------------------- notes
+
+
+def test_notes_round_trip_replace_and_belong_to_their_key(store):
+    key = {"conv": "((8, 3, 224, 224), ...)", "gpu": "NVIDIA H200", "flags": [True, False]}
+    assert store.read_note("layout-precision", key) is None
+    store.write_note("layout-precision", key, {"why": None})
+    assert store.read_note("layout-precision", key) == {"why": None}
+    store.write_note("layout-precision", key, {"why": "less accurate"})
+    assert store.read_note("layout-precision", key) == {"why": "less accurate"}
+    assert store.read_note("layout-precision", dict(key, gpu="other")) is None
+    assert store.read_note("other-kind", key) is None
+    (path,) = (store.root / "notes" / "layout-precision").iterdir()
+    assert _mode(path) == 0o600 and _mode(path.parent) == 0o700
+    assert not list((store.root / "tmp").iterdir())       # the temp file was renamed
+    assert store.keys() == [] and store.verify() == []    # notes are not entries
+
+
+def test_a_note_others_could_write_or_a_damaged_one_is_ignored(store):
+    key = {"conv": "x"}
+    store.write_note("layout-precision", key, {"why": None})
+    (path,) = (store.root / "notes" / "layout-precision").iterdir()
+    os.chmod(path, 0o666)
+    assert store.read_note("layout-precision", key) is None
+    os.chmod(path, 0o600)
+    path.write_text("{not json")
+    assert store.read_note("layout-precision", key) is None
+
+
+def test_clear_removes_notes_and_kinds_are_checked(store):
+    store.write_note("layout-precision", {"k": 1}, 1)
+    store.clear()
+    assert not (store.root / "notes").exists()
+    assert store.read_note("layout-precision", {"k": 1}) is None
+    with pytest.raises(ValueError):
+        store.write_note("../escape", {"k": 1}, 1)
