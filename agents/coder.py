@@ -47,7 +47,7 @@ class TemplateCoder:
     # of the pipeline around them ask for them on CPU graphs too.
     library_on_cpu = False
 
-    def __init__(self, sm_count: int = 132, split_stats: bool = False,
+    def __init__(self, sm_count: int = 132, split_stats: bool = True,
                  library_on_cpu: bool | None = None):
         self.sm_count = sm_count
         if library_on_cpu is not None:

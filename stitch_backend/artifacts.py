@@ -139,7 +139,7 @@ def manifest_of(program, record, candidates: dict[int, Any]) -> tuple[dict, dict
 
 
 def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
-               base: Any = None, split_stats: bool = False,
+               base: Any = None, split_stats: bool = True,
                notes: list[str] | None = None) -> WarmStart | None:
     """Rebuild the kernels of a cached entry for ``plan``; None when the entry does not fit
     this graph, so the caller compiles afresh. Why it did not fit, or why the stored

@@ -414,12 +414,15 @@ def _emit_reduction(ir: KernelIR) -> Emitted:
     if outer:
         extra.append(("unsigned int* __restrict__ sfk_ticket", "sfk_ticket"))
     params, sig, names = k.signature(extra, [("int log2_tk", "i", "log2_tk")])
-    single_red = len(d.red_vars) == 1 and layout == "inner"
+    # Vector chunks run along the innermost reduced index; with several reduced indices
+    # (BatchNorm's N and H*W) a chunk stays inside one run of it when its extent is a
+    # multiple of the vector width, which eligible_vector_access checks.
+    vector_red = bool(d.red_vars) and layout == "inner"
     elem_loads = [n for n in ir.all_exprs() if isinstance(n, Load)]
     elem_stores = [s for s in ir.stores if s.level == "element"]
-    if single_red:
+    if vector_red:
         vec, vloads, vstores, conds = eligible_vector_access(
-            k, d.red_vars[0], d.red_extents[0], elem_loads, elem_stores)
+            k, d.red_vars[-1], d.red_extents[-1], elem_loads, elem_stores)
     else:
         vec, vloads, vstores, conds = 1, {}, {}, []
     L = k.lines
@@ -514,11 +517,13 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores):
         text.append(f"{ind}for ({IDX} k0 = ({IDX})tk * {vec}; k0 < Kr; k0 += ({IDX})TK * {vec}) {{")
         chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
-        var = d.red_vars[0] if d.red_vars else None
+        var = d.red_vars[-1] if d.red_vars else None
         if vector:
+            # the chunk's outer reduced indices and the start of its innermost one
             b0 = sympy.Symbol(f"{var}_0")
-            chunk.defined |= {b0}
-            chunk.pre.append(f"{ind}  const {IDX} {var}_0 = k0;")
+            outer_vars = list(d.red_vars[:-1])
+            chunk.defined |= {b0} | set(outer_vars)
+            chunk.pre += k.delinearize("k0", outer_vars + [b0], list(d.red_extents), ind + "  ")
             _vector_chunk_red(k, em, chunk, var, vec, vloads, vstores, body, ind + "  ")
         else:
             cind = ind + "  "

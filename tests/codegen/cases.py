@@ -190,6 +190,9 @@ REDUCTIONS = [
     _c("red_logsumexp", lambda a: torch.logsumexp(a, -1), X),
     _c("red_logsumexp_middle", lambda a: torch.logsumexp(a, 1, keepdim=True), X3),
     _c("red_mean_4d_spatial", lambda a: a.mean((2, 3)), X4),
+    # several reduced indices: vector chunks along the innermost when its extent allows
+    _c("red_sum_outer_inner_vec", lambda a: a.sum((0, 2)), T((3, 5, 16))),
+    _c("red_var_outer_inner_odd", lambda a: a.var((0, 2)), T((3, 5, 7))),
 ]
 
 NORMS = [

@@ -40,3 +40,15 @@ def test_layout_conversions_take_the_tiled_template_and_others_do_not():
             assert "__shared__" in k.source and "__syncthreads();" in k.source
             blocks, threads, _ = k.launch_shape(2 * 40 * 42, 0)
             assert (blocks, threads) == (4, 256)
+
+
+def test_reductions_over_several_indices_take_vector_chunks_along_the_innermost():
+    """BatchNorm's statistics reduce N and H*W: 16-byte loads along H*W when its extent is
+    a multiple of the width (the fp32 case), scalar chunks when it is not."""
+    expect = {"big_batch_norm_train": 4, "red_sum_outer_inner_vec": 4,
+              "red_var_outer_inner_odd": 1}
+    for case in CASES + BIG:
+        if case.name in expect:
+            k = generate(case.trace(), case.name)
+            assert k.emitted.vec == expect[case.name], case.name
+            assert ("sfk_ldv<4>" in k.source) == (expect[case.name] == 4), case.name
