@@ -93,7 +93,8 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     bn = bns[0]
     x, weight, bias, rmean, rvar, training, momentum, eps = bn.args
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    if (not training or x.op != "placeholder" or not isinstance(xv, torch.Tensor)
+    chain = _pointwise_chain(x) if isinstance(x, torch.fx.Node) else None
+    if (not training or chain is None or not isinstance(xv, torch.Tensor)
             or xv.dim() != 4 or xv.dtype != torch.float32
             or any(isinstance(s, torch.SymInt) for s in xv.shape)
             or not all(u.op == "call_function" and u.target is operator.getitem
@@ -112,8 +113,10 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     new = torch.fx.GraphModule(module, copy_graph(module.graph))
     bn = next(nd for nd in new.graph.nodes if nd.target is BN_TRAIN)
     x, weight, bias, rmean, rvar = bn.args[:5]
+    chain = _pointwise_chain(x)
     count = float(n * h * w)
     stages: list[list[str]] = [[], [], [], [], []]
+    recomputed: dict[int, torch.fx.Node] = {}
 
     def op(stage: int, target, *args) -> torch.fx.Node:
         node = new.graph.call_function(target, args)
@@ -121,13 +124,29 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
         stages[stage].append(node.name)
         return node
 
+    def x_in(stage: int) -> torch.fx.Node:
+        """BatchNorm's input as ``stage`` reads it: computed again in that stage's kernel
+        where the region computes it (a convolution's bias add) instead of stored."""
+        if not chain:
+            return x
+        if stage not in recomputed:
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
+            for nd in chain:
+                copy = new.graph.node_copy(nd, lambda a: copies.get(a, a))
+                copy._rename(f"sk_{nd.name}")
+                stages[stage].append(copy.name)
+                copies[nd] = copy
+            recomputed[stage] = copies[x]
+        return recomputed[stage]
+
     def per_channel(stage: int, v: torch.fx.Node) -> torch.fx.Node:
         return op(stage, aten.view.default, v, [1, c, 1, 1])
 
     if channels_last:
         # x as (N*H*W, C) rows, split into ``groups`` runs of rows: (groups, L, C)
         def grouped(stage: int) -> torch.fx.Node:
-            return op(stage, aten.view.default, op(stage, aten.permute.default, x, [0, 2, 3, 1]),
+            return op(stage, aten.view.default, op(stage, aten.permute.default, x_in(stage),
+                                                   [0, 2, 3, 1]),
                       [groups, -1, c])
 
         def per_group_channel(stage: int, v: torch.fx.Node) -> torch.fx.Node:
@@ -136,13 +155,13 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     else:
         # x as (N, C, groups, L): partial sums over N and L
         def grouped(stage: int) -> torch.fx.Node:
-            return op(stage, aten.view.default, x, [n, c, groups, -1])
+            return op(stage, aten.view.default, x_in(stage), [n, c, groups, -1])
         per_group_channel = per_channel
         part_dims, total_dims = [0, 3], [1]
 
     def shift(stage: int) -> torch.fx.Node:
         """x[0, :, 0, 0], one value per channel."""
-        first = op(stage, aten.select.int, x, 0, 0)
+        first = op(stage, aten.select.int, x_in(stage), 0, 0)
         return op(stage, aten.select.int, op(stage, aten.select.int, first, 1, 0), 1, 0)
 
     with new.graph.inserting_before(bn):
@@ -187,12 +206,38 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     stages[4] += [nd.name for nd in new.graph.nodes
                   if nd.op == "call_function" and nd.name not in ours]
     new.graph.eliminate_dead_code()
-    alive = {nd.name for nd in new.graph.nodes}
-    stages = [[s for s in stage if s in alive] for stage in stages]
+    order = {nd.name: i for i, nd in enumerate(new.graph.nodes)}
+    stages = [sorted((s for s in stage if s in order), key=order.__getitem__)
+              for stage in stages]
     new.graph.lint()
     new.recompile()
     _propagate_metas(new)
     return StatsSplit(new, [s for s in stages if s], groups)
+
+
+# BatchNorm's input may be computed in the region by at most this many pointwise/view ops
+# (a convolution's bias add and its view): each statistics stage computes it again.
+MAX_CHAIN = 4
+
+
+def _pointwise_chain(x: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The region's nodes that compute ``x`` from its inputs, in graph order ([] when
+    ``x`` is an input); None when one is not a cheap pointwise or view op."""
+    from stitch_backend.opclass import OpClass, classify
+
+    found: set[torch.fx.Node] = set()
+    todo = [x]
+    while todo:
+        nd = todo.pop()
+        if nd.op == "placeholder" or nd in found:
+            continue
+        if (nd.op != "call_function"
+                or classify(nd) not in (OpClass.POINTWISE, OpClass.VIEW)
+                or len(found) >= MAX_CHAIN):
+            return None
+        found.add(nd)
+        todo += [a for a in nd.all_input_nodes]
+    return [nd for nd in x.graph.nodes if nd in found]
 
 
 def _propagate_metas(module: torch.fx.GraphModule) -> None:

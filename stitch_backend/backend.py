@@ -176,6 +176,7 @@ class StitchBackend:
             isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
             for x in example_inputs)
         gm, layout = self._layout(gm, stage, device, dynamic)
+        gm, biases = self._conv_bias(gm, device)
         plan = partition(gm, graph_name=f"graph_{index}_{stage}",
                          defer_roots=self.config.fuse_roots)
         arch = self._arch(device)
@@ -186,6 +187,9 @@ class StitchBackend:
         notes = record.notes
         if layout is not None:
             notes.append(layout.note())
+        if biases:
+            notes.append(f"{biases} convolution bias(es) added in the epilogue instead of "
+                         "ATen's separate pass after cuDNN")
         replay_why = (self._replay_ineligible(gm, example_inputs, record)
                       if device == "cuda" else "not a CUDA graph")
         if device == "meta":
@@ -250,6 +254,18 @@ class StitchBackend:
 
             notes = artifacts.open_store(self.config.cache_dir)
         return layout.to_channels_last(gm, notes)
+
+    def _conv_bias(self, gm, device: str):
+        """``gm`` with its cuDNN convolutions' biases as epilogue adds, and how many."""
+        from .conv_bias import cudnn_runs_convolutions, split_conv_bias
+
+        if not self.config.codegen:
+            return gm, 0
+        if device == "cuda" and cudnn_runs_convolutions():
+            return split_conv_bias(gm, "cuda")
+        if device == "cpu" and self.config.cpu_interpret:
+            return split_conv_bias(gm, "cpu")
+        return gm, 0
 
     def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,
                interpreted: bool = False, graph_timing: bool = False) -> Program:
