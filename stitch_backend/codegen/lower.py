@@ -28,6 +28,7 @@ from .kernel_ir import (
 )
 
 log = logging.getLogger("stitch_backend.codegen.lower")
+aten = torch.ops.aten
 
 Index = tuple  # tuple[sympy.Expr, ...]
 
@@ -156,6 +157,9 @@ class Ctx:
     placed: dict = field(default_factory=dict)
     reductions: list = field(default_factory=list)
     simp: ix.Simplifier | None = None
+    # node -> (its input TensorArg, that input's storage offset): values that are views
+    # of a region input, loaded through their own static strides (``_strided_view``)
+    strided: dict = field(default_factory=dict)
 
     # -- helpers used by op rules ------------------------------------------------------
     def reduce(self, kind: str, x: LT, dims, keepdim: bool, dtype: torch.dtype,
@@ -374,6 +378,8 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
                             tuple(ix.sympify_size(s) for s in val.stride()))
             ctx.inputs.append(arg)
             ctx.env[node] = _load_lt(arg)
+            if _static_layout(val):
+                ctx.strided[node] = (arg, val.storage_offset())
         elif isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool):
             ctx.env[node] = _sym_value(val)
             if isinstance(val, int):
@@ -392,6 +398,11 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
             continue
         if node.op != "call_function":
             raise Unsupported(f"node {node.name}: {node.op} nodes are not supported")
+        direct = _strided_view(ctx, node)
+        if direct is not None:
+            ctx.ops.append(str(node.target))
+            ctx.env[node] = direct
+            continue
         ctx.env[node] = _lower_node(ctx, node, lower_ops.RULES)
     if not isinstance(outputs, (tuple, list)):
         outputs = (outputs,)
@@ -492,15 +503,51 @@ def _get_attr(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LT:
     return LT(tuple(value.shape), value.dtype, lambda o: c)
 
 
-def _load_lt(arg: TensorArg) -> LT:
+def _load_lt(arg: TensorArg, shape=None, stride=None, offset: int = 0) -> LT:
+    """Loads of input ``arg``, or of a view of it with ``shape``/``stride`` starting
+    ``offset`` elements into it."""
+    shape = arg.shape if shape is None else shape
+    stride = arg.stride if stride is None else stride
+
     def fn(o: Index) -> Expr:
-        off = sympy.Integer(0)
-        for i, s, st in zip(o, arg.shape, arg.stride):
+        off = sympy.Integer(offset)
+        for i, s, st in zip(o, shape, stride):
             if s != 1:
                 off = off + i * st
         return Load(arg.dtype, arg.name, sympy.expand(off))
 
-    return LT(arg.shape, arg.dtype, fn)
+    return LT(shape, arg.dtype, fn)
+
+
+# Ops whose result is always a view of their input's storage (``reshape`` may copy and
+# ``_unsafe_view`` follows one that did: they go through the index-rewriting rules).
+_DIRECT_VIEWS = frozenset({
+    aten.view.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.select.int, aten.slice.Tensor, aten.narrow.default, aten.expand.default})
+
+
+def _static_layout(val: Any) -> bool:
+    return (isinstance(val, torch.Tensor)
+            and all(type(v) is int for v in (*val.shape, *val.stride(), val.storage_offset())))
+
+
+def _strided_view(ctx: Ctx, node: torch.fx.Node) -> LT | None:
+    """A view of a region input, loaded through the view's own strides (its fake value
+    has them): a reshape of a permuted input indexes memory linearly where the generic
+    rules would split and merge its indices with divisions and remainders. None where
+    that does not apply (symbolic sizes, not a view of an input, ...)."""
+    if node.target not in _DIRECT_VIEWS or not node.args:
+        return None
+    src = node.args[0]
+    if not isinstance(src, torch.fx.Node) or src not in ctx.strided:
+        return None
+    val = node.meta.get("val")
+    if not _static_layout(val) or val.dtype != src.meta["val"].dtype:
+        return None
+    arg, base = ctx.strided[src]
+    ctx.strided[node] = (arg, base)
+    return _load_lt(arg, tuple(val.shape), tuple(val.stride()), val.storage_offset() - base)
 
 
 def round_to(e: Expr, dtype: torch.dtype) -> Expr:

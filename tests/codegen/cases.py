@@ -193,6 +193,9 @@ REDUCTIONS = [
     # several reduced indices: vector chunks along the innermost when its extent allows
     _c("red_sum_outer_inner_vec", lambda a: a.sum((0, 2)), T((3, 5, 16))),
     _c("red_var_outer_inner_odd", lambda a: a.var((0, 2)), T((3, 5, 7))),
+    # a view of a permuted (channels-last) input: loaded through its own strides
+    _c("red_channels_last_columns", lambda a: a.permute(0, 2, 3, 1).reshape(-1, 6).sum(0),
+       T((2, 5, 7, 6), perm=(0, 3, 1, 2))),
 ]
 
 NORMS = [

@@ -52,3 +52,13 @@ def test_reductions_over_several_indices_take_vector_chunks_along_the_innermost(
             k = generate(case.trace(), case.name)
             assert k.emitted.vec == expect[case.name], case.name
             assert ("sfk_ldv<4>" in k.source) == (expect[case.name] == 4), case.name
+
+
+def test_a_view_of_a_permuted_input_indexes_memory_linearly():
+    """(N, C, H, W) stored channels-last, permuted to NHWC and reshaped to (N*H*W, C):
+    the load is ``in0[c + 6 * p]`` (the view's own strides), not the row-major split of
+    p into n, h, w with divisions and remainders."""
+    case = next(c for c in CASES if c.name == "red_channels_last_columns")
+    k = generate(case.trace(), case.name)
+    loads = [line for line in k.source.splitlines() if "in0[" in line]
+    assert loads and not any("%" in line or "/" in line for line in loads), loads
