@@ -223,8 +223,13 @@ class GraphReplay:
         program = self.program
         aten_ms = None
         with restored(targets):
-            replay_ms = wall_ms(lambda: self._replay(inputs))
-            plain_ms = wall_ms(lambda: program.finish_call(program.run_inputs(inputs), targets))
+            # interleaved, best of two medians each: one pass alone was seen to put replay
+            # 20% behind on a GPU-bound graph that replayed at par in another process
+            replay_ms = plain_ms = float("inf")
+            for _ in range(2):
+                replay_ms = min(replay_ms, wall_ms(lambda: self._replay(inputs)))
+                plain_ms = min(plain_ms, wall_ms(
+                    lambda: program.finish_call(program.run_inputs(inputs), targets)))
             if plain_ms < replay_ms and program.generated_steps():
                 # Uncaptured it is; are the generated kernels still worth it in context?
                 aten_ms = wall_ms(lambda: program.finish_call(
@@ -232,7 +237,7 @@ class GraphReplay:
         on_aten = "" if aten_ms is None else f", {aten_ms:.3f} ms uncaptured on ATen alone"
         program.notes_sink.append(
             f"one call: {replay_ms:.3f} ms replayed, {plain_ms:.3f} ms uncaptured{on_aten} "
-            "(wall clock, median of 5, on the first replay)")
+            "(wall clock, best of two medians of 5, on the first replay)")
         if aten_ms is not None and aten_ms < plain_ms:
             program.use_aten(f"the whole graph ran faster on ATen alone ({aten_ms:.3f} ms vs "
                              f"{plain_ms:.3f} ms a call, uncaptured), so its verified kernels "
