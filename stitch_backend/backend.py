@@ -175,6 +175,7 @@ class StitchBackend:
         dynamic = any(isinstance(x, torch.SymInt) or (
             isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
             for x in example_inputs)
+        gm, pools = self._pools(gm, device)
         gm, layout = self._layout(gm, stage, device, dynamic)
         gm, biases = self._conv_bias(gm, device)
         plan = partition(gm, graph_name=f"graph_{index}_{stage}",
@@ -187,6 +188,9 @@ class StitchBackend:
         notes = record.notes
         if layout is not None:
             notes.append(layout.note())
+        if pools:
+            notes.append(f"{pools} max pooling(s) over disjoint windows run as amax "
+                         "reductions the Coder generates")
         if biases:
             notes.append(f"{biases} convolution bias(es) added in the epilogue instead of "
                          "ATen's separate pass after cuDNN")
@@ -254,6 +258,15 @@ class StitchBackend:
 
             notes = artifacts.open_store(self.config.cache_dir)
         return layout.to_channels_last(gm, notes)
+
+    def _pools(self, gm, device: str):
+        """``gm`` with its disjoint-window max poolings as amax reductions, and how many."""
+        if not self.config.codegen or not (
+                device == "cuda" or (device == "cpu" and self.config.cpu_interpret)):
+            return gm, 0
+        from .pooling import pools_as_reductions
+
+        return pools_as_reductions(gm)
 
     def _conv_bias(self, gm, device: str):
         """``gm`` with its cuDNN convolutions' biases as epilogue adds, and how many."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .regions import copy_graph
+from .regions import inherit_source, rewritable_copy
 
 aten = torch.ops.aten
 CONV = aten.convolution.default
@@ -47,15 +47,10 @@ def split_conv_bias(gm: torch.fx.GraphModule, device: str = "cuda"
     into an ``add`` after it (a new module; ``gm`` is not changed), and how many moved;
     ``gm`` itself when none. The caller checks that cuDNN runs them
     (``cudnn_runs_convolutions``; the CPU interpreter's tests use ``device="cpu"``)."""
-    if not any(_eligible(n, device) for n in gm.graph.nodes):
+    copied = rewritable_copy(gm, lambda n: _eligible(n, device))
+    if copied is None:
         return gm, 0
-    from torch._guards import detect_fake_mode
-
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode(vals)
-    if mode is None:
-        return gm, 0
-    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    new, mode = copied
     graph = new.graph
     moved = 0
     for node in list(graph.nodes):
@@ -73,9 +68,7 @@ def split_conv_bias(gm: torch.fx.GraphModule, device: str = "cuda"
         with mode:
             view.meta["val"] = aten.view.default(bias.meta["val"], shape)
             add.meta["val"] = aten.add.Tensor(out, view.meta["val"])
-        for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-            if key in node.meta:
-                view.meta[key] = add.meta[key] = node.meta[key]
+        inherit_source(node, view, add)
         moved += 1
     graph.lint()
     new.recompile()

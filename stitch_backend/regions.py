@@ -57,6 +57,28 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return out
 
 
+def rewritable_copy(gm: torch.fx.GraphModule, wanted):
+    """(a copy of ``gm`` to rewrite, the fake mode its values were traced in), or None
+    when no node is ``wanted`` or its inputs carry no fake values (new nodes'
+    ``meta["val"]`` are computed in that mode)."""
+    from torch._guards import detect_fake_mode
+
+    if not any(wanted(n) for n in gm.graph.nodes):
+        return None
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    if mode is None:
+        return None
+    return torch.fx.GraphModule(gm, copy_graph(gm.graph)), mode
+
+
+def inherit_source(src: torch.fx.Node, *new: torch.fx.Node) -> None:
+    """Nodes a rewrite made from ``src`` point back to its source lines and module."""
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            for node in new:
+                node.meta[key] = src.meta[key]
+
+
 def boundary(gm: torch.fx.GraphModule, names: list[str]) -> tuple[list[str], list[str]]:
     """(inputs, outputs) of the node set ``names``: values read from outside it, and its
     values read outside it (by other nodes or the graph output), each in graph order."""

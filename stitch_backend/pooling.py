@@ -1,0 +1,85 @@
+"""Max pooling over disjoint windows as a reduction the Coder generates.
+
+``max_pool2d_with_indices(x, k, stride=k)`` without padding, dilation or ceil mode,
+whose indices nobody reads (inference, and training graphs that do not save them), is
+``x.view(N, C, H/k, k, W/k, k).amax((3, 5))``: the same values (both propagate NaN),
+and an ``amax`` the Planner can fuse with what produces and consumes it. ATen's pooling
+op is a fallback region otherwise: on the H200, L3 RegNet's three 2x2 poolings took
+0.14 ms of a 1.4 ms call.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from .regions import inherit_source, rewritable_copy
+
+aten = torch.ops.aten
+MAX_POOL = aten.max_pool2d_with_indices.default
+
+
+def _window(node: torch.fx.Node) -> tuple[int, int] | None:
+    """(kh, kw) where ``node`` pools disjoint windows that tile its input exactly and
+    only its values are used; None otherwise."""
+    if node.op != "call_function" or node.target is not MAX_POOL:
+        return None
+    names = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+    defaults = {"stride": [], "padding": 0, "dilation": 1, "ceil_mode": False}
+    args = dict(zip(names, node.args[1:]))
+    args.update(node.kwargs)
+    pair = lambda v: [v, v] if isinstance(v, int) else (list(v) * 2 if len(v) == 1 else list(v))
+    kernel = pair(args["kernel_size"])
+    stride = pair(args.get("stride", defaults["stride"]) or kernel)
+    if (stride != kernel or pair(args.get("padding", 0)) != [0, 0]
+            or pair(args.get("dilation", 1)) != [1, 1] or args.get("ceil_mode", False)):
+        return None
+    if any(u.op != "call_function" or u.target is not operator.getitem or u.args[1] != 0
+           for u in node.users):
+        return None
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        return None
+    h, w = x.shape[2], x.shape[3]
+    if not (isinstance(h, int) and isinstance(w, int)) or h % kernel[0] or w % kernel[1]:
+        return None
+    return kernel[0], kernel[1]
+
+
+def pools_as_reductions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    """``gm`` with each eligible max pooling rewritten as a view and an ``amax`` (a new
+    module; ``gm`` is not changed), and how many; ``gm`` itself when none."""
+    copied = rewritable_copy(gm, lambda n: _window(n) is not None)
+    if copied is None:
+        return gm, 0
+    new, mode = copied
+    graph = new.graph
+    done = 0
+    for node in list(graph.nodes):
+        window = _window(node)
+        if window is None:
+            continue
+        kh, kw = window
+        x = node.args[0]
+        n, c, h, w = x.meta["val"].shape
+        shape = [n, c, h // kh, kh, w // kw, kw]
+        with graph.inserting_before(node):
+            view = graph.call_function(aten.view.default, (x, shape))
+            amax = graph.call_function(aten.amax.default, (view, [3, 5]))
+        with mode:
+            view.meta["val"] = aten.view.default(x.meta["val"], shape)
+            amax.meta["val"] = aten.amax.default(view.meta["val"], [3, 5])
+        inherit_source(node, view, amax)
+        for user in list(node.users):
+            user.replace_all_uses_with(amax)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        done += 1
+    graph.lint()
+    new.recompile()
+    return new, done
+
+
+__all__ = ["pools_as_reductions"]
