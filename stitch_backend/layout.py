@@ -26,8 +26,9 @@ convolution that it runs in exact fp32 when the input is NCHW (seen on the H200 
 test zoo's small convolutions: normalised error 4.4e-4 against eager's 2.5e-7). So before
 the rewrite every distinct convolution runs once both ways on random inputs of its traced
 sizes and strides, beside an fp64 run, and DESIGN.md's rule (``correctness.compare``)
-judges the channels-last result against the traced layout's; one that fails leaves the
-graph as traced, with the reason. The check depends on sizes, dtypes and cuDNN's
+judges the channels-last result against the traced layout's; one that fails keeps its
+traced layout (its input converted back where needed; the report says why), and where
+every one fails the graph stays as traced. The check depends on sizes, dtypes and cuDNN's
 choices, not on the values, so it runs at compile time; each verdict is kept as a note
 in the cache (keyed by the convolution, the GPU, the torch and cuDNN versions and the
 precision flags), so a warm start runs no convolution.
@@ -89,10 +90,14 @@ class LayoutResult:
     why: str
     conversions: int = 0
     convolutions: int = 0
+    kept: int = 0           # convolutions left in the traced layout (precision)
+    kept_why: str = ""      # the first one's reason
 
     def note(self) -> str:
         if self.applied:
-            return (f"channels-last: {self.convolutions} convolution(s) run NHWC, "
+            kept = (f", {self.kept} kept in the traced layout ({self.kept_why})"
+                    if self.kept else "")
+            return (f"channels-last: {self.convolutions} convolution(s) run NHWC{kept}, "
                     f"{self.conversions} layout conversion(s) in the graph")
         return f"channels-last off: {self.why}"
 
@@ -159,21 +164,28 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None
     """``gm`` rewritten so its 2-D convolutions run channels-last (a new module; ``gm``
     is not changed), or ``gm`` itself with the reason when the pass does not apply.
     ``notes`` (a cache Store, optional) keeps the precision verdicts across processes."""
-    why = ineligible(gm) or precision_loss(convolutions(gm), notes)
+    why = ineligible(gm)
     if why is not None:
         return gm, LayoutResult(False, why)
+    convs = convolutions(gm)
+    refused = precision_verdicts(convs, notes)
+    if len(refused) == len(convs):
+        return gm, LayoutResult(False, refused[convs[0].name])
     new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     try:
-        result = _Rewrite(new).run()
+        result = _Rewrite(new, exempt=set(refused)).run()
     except _Abort as err:
         return gm, LayoutResult(False, str(err))
+    if refused:
+        result.kept = len(refused)
+        result.kept_why = next(iter(refused.values()))
     new.graph.lint()
     new.recompile()
     return new, result
 
 
 class _Rewrite:
-    def __init__(self, gm: torch.fx.GraphModule):
+    def __init__(self, gm: torch.fx.GraphModule, exempt: set[str] = frozenset()):
         from torch._guards import detect_fake_mode
 
         self.gm = gm
@@ -184,7 +196,9 @@ class _Rewrite:
             raise _Abort("the graph carries no fake values to recompute strides with")
         # node -> its value as traced (the layout to restore)
         self.traced = {n: n.meta.get("val") for n in self.graph.nodes}
-        self.conv_nodes = set(convolutions(gm))
+        # convolutions that run NHWC; the exempt ones (by name) keep the traced layout
+        self.conv_nodes = {n for n in convolutions(gm) if n.name not in exempt}
+        self.exempt = exempt
         self.restored: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
         self.conversions = 0
         self.convs = 0
@@ -199,7 +213,7 @@ class _Rewrite:
             if node in self.conv_nodes:
                 self._to_channels_last_input(node)
                 self.convs += 1
-            elif self._stride_dependent(node):
+            elif node.name in self.exempt or self._stride_dependent(node):
                 self._restore_inputs(node)
             self._recompute(node)
         return LayoutResult(True, "", self.conversions, self.convs)
@@ -282,28 +296,28 @@ class _Rewrite:
 NOTE_KIND = "layout-precision"
 
 
-def precision_loss(convs: list[torch.fx.Node], notes: Any = None) -> str | None:
-    """Why channels-last would make one of ``convs`` less accurate than its traced layout
-    (None: none would). Each distinct convolution (sizes, strides, arguments) runs once
-    as traced, once with a channels-last input and once in fp64, on random inputs, unless
-    ``notes`` (a cache Store) holds its verdict from an earlier run."""
-    seen: set[tuple] = set()
+def precision_verdicts(convs: list[torch.fx.Node], notes: Any = None) -> dict[str, str]:
+    """Name -> why, for each of ``convs`` that channels-last would make less accurate
+    than its traced layout (those keep it). Each distinct convolution (sizes, strides,
+    arguments) runs once as traced, once with a channels-last input and once in fp64, on
+    random inputs, unless ``notes`` (a cache Store) holds its verdict from an earlier
+    run."""
+    verdicts: dict[tuple, str | None] = {}
+    refused = {}
     for node in convs:
         key = _conv_key(node)
-        if key in seen:
-            continue
-        seen.add(key)
-        note_key = _note_key(key, node)
-        stored = _read_note(notes, note_key)
-        if stored is not None:
-            why = stored["why"]
-        else:
-            why, final = _judge(node)
-            if final:
-                _write_note(notes, note_key, {"why": why})
-        if why is not None:
-            return why
-    return None
+        if key not in verdicts:
+            note_key = _note_key(key, node)
+            stored = _read_note(notes, note_key)
+            if stored is not None:
+                verdicts[key] = stored["why"]
+            else:
+                verdicts[key], final = _judge(node)
+                if final:
+                    _write_note(notes, note_key, {"why": verdicts[key]})
+        if verdicts[key] is not None:
+            refused[node.name] = verdicts[key]
+    return refused
 
 
 def _judge(node: torch.fx.Node) -> tuple[str | None, bool]:
@@ -405,4 +419,4 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 __all__ = ["AUTO_MIN_POSITIONS", "CONVERSION", "LayoutResult", "auto_declines", "conv_outputs", "convolutions", "ineligible",
-           "precision_loss", "same_layout", "to_channels_last"]
+           "precision_verdicts", "same_layout", "to_channels_last"]

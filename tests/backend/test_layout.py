@@ -325,3 +325,29 @@ def test_channels_last_on_cuda_is_correct_by_the_design_rule(example):
     assert note.startswith("channels-last: ") or "less accurate" in note, note
     for name, buf in model.named_buffers():
         torch.testing.assert_close(buf, dict(reference.named_buffers())[name], rtol=1e-3, atol=1e-3)
+
+
+def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_nhwc(monkeypatch):
+    """The precision check refuses one convolution (as the H200 refused the 3->64 first
+    convolutions of L3 ResNetBasicBlock and RegNet): it reads its traced NCHW input, the
+    others still run channels-last, and values and output strides stay eager's."""
+    judged = []
+
+    def judge(node):
+        judged.append(node.name)
+        first = len(judged) == 1
+        return ("refused for the test" if first else None), True
+
+    monkeypatch.setattr(layout, "_judge", judge)
+    example = residual_block
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0])
+    (rec,) = backend.records
+    note = next(n for n in rec.notes if n.startswith("channels-last"))
+    assert note.startswith("channels-last: 2 convolution(s) run NHWC, 1 kept in the traced "
+                           "layout (refused for the test)"), note
+    ins = {n.name: n.args[0].meta["val"] for n in rec.gm.graph.nodes
+           if n.target is aten.convolution.default}
+    assert ins[judged[0]].is_contiguous()
+    others = [v for name, v in ins.items() if name != judged[0]]
+    assert len(others) == 2
+    assert all(v.is_contiguous(memory_format=torch.channels_last) for v in others)
