@@ -257,7 +257,7 @@ class StitchBackend:
             from . import artifacts
 
             notes = artifacts.open_store(self.config.cache_dir)
-        return layout.to_channels_last(gm, notes)
+        return layout.to_channels_last(gm, notes, partial=self.config.channels_last is True)
 
     def _pools(self, gm, device: str):
         """``gm`` with its disjoint-window max poolings as amax reductions, and how many."""

@@ -75,8 +75,9 @@ class Config:
                        "strides. 'auto' (None): only where every training BatchNorm has at "
                        "least layout.AUTO_MIN_POSITIONS positions per channel. Never where a "
                        "convolution would lose precision (cuDNN's TF32 NHWC kernels; checked "
-                       "at compile time, the verdicts kept in the cache). README has the "
-                       "measurements behind the default, 'auto'."),
+                       "at compile time, the verdicts kept in the cache): 'auto' then keeps "
+                       "the graph as traced, True keeps only those convolutions NCHW. "
+                       "README has the measurements behind the default, 'auto'."),
     )
     split_stats: bool = field(
         default=True,

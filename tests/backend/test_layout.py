@@ -351,3 +351,11 @@ def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_n
     others = [v for name, v in ins.items() if name != judged[0]]
     assert len(others) == 2
     assert all(v.is_contiguous(memory_format=torch.channels_last) for v in others)
+
+    # 'auto' (the default) keeps the whole graph as traced when a convolution is refused
+    judged.clear()
+    torch._dynamo.reset()
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0],
+                     train_mode=False, channels_last=None)   # eval: auto would apply
+    note = next(n for n in backend.records[0].notes if n.startswith("channels-last"))
+    assert note == "channels-last off: refused for the test", note
