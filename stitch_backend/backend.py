@@ -189,7 +189,7 @@ class StitchBackend:
         if layout is not None:
             notes.append(layout.note())
         if pools:
-            notes.append(f"{pools} max pooling(s) over disjoint windows run as amax "
+            notes.append(f"{pools} pooling(s) over disjoint windows run as amax/mean "
                          "reductions the Coder generates")
         if biases:
             notes.append(f"{biases} convolution bias(es) added in the epilogue instead of "
@@ -260,7 +260,7 @@ class StitchBackend:
         return layout.to_channels_last(gm, notes, partial=self.config.channels_last is True)
 
     def _pools(self, gm, device: str):
-        """``gm`` with its disjoint-window max poolings as amax reductions, and how many."""
+        """``gm`` with its disjoint-window poolings as amax/mean reductions, and how many."""
         if not self.config.codegen or not (
                 device == "cuda" or (device == "cpu" and self.config.cpu_interpret)):
             return gm, 0

@@ -1,4 +1,4 @@
-"""Disjoint-window max pooling as an amax reduction: eager's values, generated kernels,
+"""Disjoint-window pooling as an amax/mean reduction: eager's values, generated kernels,
 and the poolings it cannot express left as they are."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ aten = torch.ops.aten
 
 
 class PoolNet(nn.Module):
-    """conv -> BN -> ReLU -> 2x2 pool (rewritten), then a 3x3/2 padded pool (kept)."""
+    """conv -> BN -> ReLU -> 2x2 max pool (rewritten), a 3x3/2 padded max pool (kept),
+    a 2x2 average pool (rewritten), a padded average pool (kept)."""
 
     def __init__(self):
         super().__init__()
@@ -23,9 +24,12 @@ class PoolNet(nn.Module):
         self.bn = nn.BatchNorm2d(8)
         self.pool = nn.MaxPool2d(2, 2)
         self.overlap = nn.MaxPool2d(3, 2, padding=1)
+        self.avg = nn.AvgPool2d(2)
+        self.avg_padded = nn.AvgPool2d(2, padding=1)
 
     def forward(self, x):
-        return self.overlap(self.pool(torch.relu(self.bn(self.conv(x)))))
+        y = self.overlap(self.pool(torch.relu(self.bn(self.conv(x)))))
+        return self.avg(y) + 1, self.avg_padded(y)
 
 
 def _targets(gm):
@@ -43,17 +47,18 @@ def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
     x[0, 0, 0, 0] = float("nan")                  # NaN propagates through both
     with torch.no_grad():
         for _ in range(2):
-            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4,
-                                       equal_nan=True)
+            for got, want in zip(compiled(x), reference(x)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
     (rec,) = backend.records
     targets = _targets(rec.gm)
-    assert targets.count(aten.max_pool2d_with_indices.default) == 1    # the padded one
-    assert aten.amax.default in targets
-    assert "1 max pooling(s) over disjoint windows run as amax reductions the Coder " \
+    assert targets.count(aten.max_pool2d_with_indices.default) == 1    # the padded ones
+    assert targets.count(aten.avg_pool2d.default) == 1
+    assert "2 pooling(s) over disjoint windows run as amax/mean reductions the Coder " \
            "generates" in rec.notes
-    amax = next(n for n in rec.gm.graph.nodes if n.target is aten.amax.default)
-    region = next(r for r in rec.plan.regions if amax.name in r.nodes)
-    assert region.backend == "kernel", (region.backend, region.reason)
+    for target in (aten.amax.default, aten.mean.dim):
+        node = next(n for n in rec.gm.graph.nodes if n.target is target)
+        region = next(r for r in rec.plan.regions if node.name in r.nodes)
+        assert region.backend == "kernel", (region.backend, region.reason)
 
 
 def test_indices_in_use_or_uneven_windows_keep_the_pooling():
