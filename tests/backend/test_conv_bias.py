@@ -88,3 +88,20 @@ def test_no_bias_or_other_device_leaves_the_graph_as_it_is():
     gm = backend.records[0].gm
     assert split_conv_bias(gm, "cpu") == (gm, 0)
     assert split_conv_bias(gm, "cuda") == (gm, 0)
+
+
+def test_training_with_moved_biases_gives_eagers_gradients():
+    """The forward graph's rewrite must keep what AOTAutograd saves for the backward."""
+    torch.manual_seed(0)
+    model = ConvBiasNet().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 16, 16)
+    compiled(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    forward = next(r for r in backend.records if r.stage == "forward")
+    assert any("convolution bias(es) added in the epilogue" in n for n in forward.notes)
