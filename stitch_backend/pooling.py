@@ -48,8 +48,10 @@ def _window(node: torch.fx.Node) -> tuple[int, int] | None:
     x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
         return None
+    if not all(type(s) is int for s in x.shape):     # symbolic sizes: left to ATen
+        return None
     h, w = x.shape[2], x.shape[3]
-    if not (isinstance(h, int) and isinstance(w, int)) or h % kernel[0] or w % kernel[1]:
+    if h % kernel[0] or w % kernel[1]:
         return None
     return kernel[0], kernel[1]
 

@@ -78,3 +78,15 @@ def test_indices_in_use_or_uneven_windows_keep_the_pooling():
     assert count == 1 and aten.max_pool2d_with_indices.default not in _targets(new)
     x = torch.randn(1, 2, 8, 8)
     torch.testing.assert_close(new(x)[0], nn.functional.max_pool2d(x, 2) + 1)
+
+
+def test_symbolic_sizes_keep_the_pooling():
+    backend = StitchBackend(options={"codegen": False})
+    fn = torch.compile(lambda x: nn.functional.avg_pool2d(x, 2) * 2, backend=backend,
+                       dynamic=True)
+    with torch.no_grad():
+        fn(torch.randn(2, 2, 8, 8))
+    gm = backend.records[-1].gm
+    (pool,) = [n for n in gm.graph.nodes if n.target is aten.avg_pool2d.default]
+    assert any(isinstance(s, torch.SymInt) for s in pool.args[0].meta["val"].shape)
+    assert pools_as_reductions(gm) == (gm, 0)
