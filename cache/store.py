@@ -25,7 +25,6 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import stat
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any, BinaryIO
 
 from . import archive
 from .errors import CacheError, CacheSecurityError, CorruptEntryError, KeyLookupError
+from .files import _mkdir_private, _remove, _touch, _tree_size, _write_file
 from .integrity import (MANIFEST, Problem, check_artifacts, ownership_problem, read_manifest,
                         sha256_bytes, valid_artifact_name)
 from .keys import CACHE_VERSION, HEX_KEY, CacheKey, cache_root, canonical_json, key_hex
@@ -554,49 +554,3 @@ class Store:
     def import_(self, file: Path | str | BinaryIO) -> archive.ImportReport:
         """Import entries from a .tar.gz; see archive.import_entries."""
         return archive.import_entries(self, file)
-
-
-def _mkdir_private(path: Path) -> None:
-    try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)
-    except FileExistsError:
-        pass
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    # O_EXCL + O_NOFOLLOW: never write through something planted at this name.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _touch(path: Path) -> None:
-    try:
-        os.utime(path)
-    except OSError as exc:  # a shared cache's entry owned by someone else
-        log.debug("could not update last-used time of %s: %s", path, exc)
-
-
-def _tree_size(path: Path) -> int:
-    total = 0
-    try:
-        with os.scandir(path) as it:
-            for item in it:
-                total += item.stat(follow_symlinks=False).st_size
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return total
-
-
-def _remove(path: Path) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

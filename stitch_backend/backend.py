@@ -244,9 +244,8 @@ class StitchBackend:
         done (None where the pass is not considered: no convolutions, not CUDA, ...)."""
         from . import layout
 
-        runs_kernels = device == "cuda" or (device == "cpu" and self.config.cpu_interpret)
-        if (self.config.channels_last is False or stage != "inference" or not runs_kernels
-                or dynamic or not layout.convolutions(gm)):
+        if (self.config.channels_last is False or stage != "inference"
+                or not self._runs_kernels(device) or dynamic or not layout.convolutions(gm)):
             return gm, None
         if self.config.channels_last is None:
             why = layout.auto_declines(gm)
@@ -259,10 +258,14 @@ class StitchBackend:
             notes = artifacts.open_store(self.config.cache_dir)
         return layout.to_channels_last(gm, notes, partial=self.config.channels_last is True)
 
+    def _runs_kernels(self, device: str) -> bool:
+        """Whether generated kernels run for graphs on ``device`` (CUDA, or the CPU
+        interpreter, a testing aid), so the graph passes that feed them apply."""
+        return device == "cuda" or (device == "cpu" and self.config.cpu_interpret)
+
     def _pools(self, gm, device: str):
         """``gm`` with its disjoint-window poolings as amax/mean reductions, and how many."""
-        if not self.config.codegen or not (
-                device == "cuda" or (device == "cpu" and self.config.cpu_interpret)):
+        if not self.config.codegen or not self._runs_kernels(device):
             return gm, 0
         from .pooling import pools_as_reductions
 
@@ -272,13 +275,10 @@ class StitchBackend:
         """``gm`` with its cuDNN convolutions' biases as epilogue adds, and how many."""
         from .conv_bias import cudnn_runs_convolutions, split_conv_bias
 
-        if not self.config.codegen:
+        if not self.config.codegen or not self._runs_kernels(device) or (
+                device == "cuda" and not cudnn_runs_convolutions()):
             return gm, 0
-        if device == "cuda" and cudnn_runs_convolutions():
-            return split_conv_bias(gm, "cuda")
-        if device == "cpu" and self.config.cpu_interpret:
-            return split_conv_bias(gm, "cpu")
-        return gm, 0
+        return split_conv_bias(gm, device)
 
     def _build(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord, *,
                interpreted: bool = False, graph_timing: bool = False) -> Program:

@@ -45,7 +45,7 @@ import torch
 import torch.fx
 
 from .correctness import compare
-from .regions import copy_graph
+from .regions import rewritable_copy
 
 log = logging.getLogger("stitch_backend.layout")
 
@@ -175,9 +175,13 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
     refused = precision_verdicts(convs, notes)
     if refused and (not partial or len(refused) == len(convs)):
         return gm, LayoutResult(False, next(iter(refused.values())))
-    new = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    copied = rewritable_copy(gm, lambda n: True)
+    if copied is None:
+        return gm, LayoutResult(False, "the graph carries no fake values to recompute "
+                                       "strides with")
+    new, mode = copied
     try:
-        result = _Rewrite(new, exempt=set(refused)).run()
+        result = _Rewrite(new, mode, exempt=set(refused)).run()
     except _Abort as err:
         return gm, LayoutResult(False, str(err))
     if refused:
@@ -189,15 +193,10 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
 
 
 class _Rewrite:
-    def __init__(self, gm: torch.fx.GraphModule, exempt: set[str] = frozenset()):
-        from torch._guards import detect_fake_mode
-
+    def __init__(self, gm: torch.fx.GraphModule, mode, exempt: set[str] = frozenset()):
         self.gm = gm
         self.graph = gm.graph
-        vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
-        self.mode = detect_fake_mode(vals)
-        if self.mode is None:
-            raise _Abort("the graph carries no fake values to recompute strides with")
+        self.mode = mode
         # node -> its value as traced (the layout to restore)
         self.traced = {n: n.meta.get("val") for n in self.graph.nodes}
         # convolutions that run NHWC; the exempt ones (by name) keep the traced layout

@@ -73,14 +73,13 @@ def pools_as_reductions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
         x = node.args[0]
         n, c, h, w = x.meta["val"].shape
         shape = [n, c, h // kh, kh, w // kw, kw]
-        reduce = (aten.amax.default, (3, 5)) if node.target is MAX_POOL else \
-            (aten.mean.dim, (3, 5))
+        reduce = aten.amax.default if node.target is MAX_POOL else aten.mean.dim
         with graph.inserting_before(node):
             view = graph.call_function(aten.view.default, (x, shape))
-            pooled = graph.call_function(reduce[0], (view, list(reduce[1])))
+            pooled = graph.call_function(reduce, (view, [3, 5]))
         with mode:
             view.meta["val"] = aten.view.default(x.meta["val"], shape)
-            pooled.meta["val"] = reduce[0](view.meta["val"], list(reduce[1]))
+            pooled.meta["val"] = reduce(view.meta["val"], [3, 5])
         inherit_source(node, view, pooled)
         if node.target is MAX_POOL:
             for user in list(node.users):
