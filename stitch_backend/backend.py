@@ -175,8 +175,9 @@ class StitchBackend:
         dynamic = any(isinstance(x, torch.SymInt) or (
             isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
             for x in example_inputs)
-        gm, pools = self._pools(gm, device)
+        # layout first: a pooling of a channels-last value is rewritten along C
         gm, layout = self._layout(gm, stage, device, dynamic)
+        gm, pools = self._pools(gm, device)
         gm, biases = self._conv_bias(gm, device)
         plan = partition(gm, graph_name=f"graph_{index}_{stage}",
                          defer_roots=self.config.fuse_roots)

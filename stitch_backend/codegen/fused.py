@@ -173,6 +173,9 @@ class FusedKernel:
             rb = min(rb, _pow2_at_least(max(rows, 1)))
             tk = _pow2_at_least(max(1, _cdiv(reduce_len, 4)))
             tk = max(min(tk, MAX_THREADS // rb), max(1, 32 // rb))
+            # Short rows in plenty (a pooling window): more rows a block, not one warp.
+            while rb * tk < 128 and rows >= 4 * rb * self.sm_count:
+                rb *= 2
             threads = rb * tk
         blocks = min(_cdiv(max(rows, 1), rb), max(1, resident // threads))
         return max(blocks, 1), threads, tk.bit_length() - 1

@@ -90,3 +90,41 @@ def test_symbolic_sizes_keep_the_pooling():
     (pool,) = [n for n in gm.graph.nodes if n.target is aten.avg_pool2d.default]
     assert any(isinstance(s, torch.SymInt) for s in pool.args[0].meta["val"].shape)
     assert pools_as_reductions(gm) == (gm, 0)
+
+
+def test_a_channels_last_pooling_reduces_along_channels_and_keeps_its_strides():
+    """A pooling whose input is channels-last (the layout pass's convolutions; here a
+    channels-last input on the CPU) is pooled as (N, H, W, C): permute, view, reduce,
+    permute back, so the generated reduction reads and writes with C contiguous and its
+    result has the channels-last strides ATen's pooling gives; values as eager's."""
+    import torch.nn.functional as F
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b):
+        return F.avg_pool2d(F.max_pool2d(torch.relu(F.conv2d(x, w, b, padding=1)), 2), 2)
+
+    torch.manual_seed(0)
+    args = (torch.randn(2, 3, 16, 12).to(memory_format=torch.channels_last),
+            torch.randn(8, 3, 3, 3), torch.randn(8))
+    traced = make_fx(f, decomposition_table=core_aten_decompositions(),
+                     tracing_mode="fake")(*args)
+    traced.graph.eliminate_dead_code()      # the unused indices (AOTAutograd drops them)
+    traced.recompile()
+    new, count = pools_as_reductions(traced)
+    assert count == 2
+    targets = _targets(new)
+    assert aten.max_pool2d_with_indices.default not in targets
+    assert aten.avg_pool2d.default not in targets
+    assert targets.count(aten.permute.default) == 4
+    for target in (aten.amax.default, aten.mean.dim):
+        node = next(n for n in new.graph.nodes if n.target is target)
+        assert node.args[1] == [2, 4]
+        assert node.meta["val"].is_contiguous()          # (N, H/k, W/k, C), C contiguous
+    want = f(*args)
+    assert want.is_contiguous(memory_format=torch.channels_last) and not want.is_contiguous()
+    out = next(n for n in new.graph.nodes if n.op == "output").args[0]
+    assert out.meta["val"].stride() == want.stride()
+    got = new(*args)
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want)

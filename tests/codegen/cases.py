@@ -196,6 +196,12 @@ REDUCTIONS = [
     # a view of a permuted (channels-last) input: loaded through its own strides
     _c("red_channels_last_columns", lambda a: a.permute(0, 2, 3, 1).reshape(-1, 6).sum(0),
        T((2, 5, 7, 6), perm=(0, 3, 1, 2))),
+    # disjoint-window pooling of a channels-last input (the pooling rewrite's view): rows
+    # (n, c, ho, wo) are contiguous along c, which the template then takes fastest
+    _c("red_pool_channels_last", lambda a: a.view(2, 5, 3, 2, 4, 2).amax((3, 5)).tanh(),
+       T((2, 6, 8, 5), perm=(0, 3, 1, 2))),
+    _c("red_pool_channels_last_mean", lambda a: a.view(2, 5, 3, 2, 4, 2).mean((3, 5)) * 2,
+       T((2, 6, 8, 5), f16, perm=(0, 3, 1, 2))),
 ]
 
 NORMS = [

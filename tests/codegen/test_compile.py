@@ -62,3 +62,19 @@ def test_a_view_of_a_permuted_input_indexes_memory_linearly():
     k = generate(case.trace(), case.name)
     loads = [line for line in k.source.splitlines() if "in0[" in line]
     assert loads and not any("%" in line or "/" in line for line in loads), loads
+
+
+def test_a_channels_last_pooling_takes_its_rows_channel_fastest():
+    """Rows (n, c, ho, wo) of a window reduction whose input is contiguous along c: the
+    column layout with c the fastest row digit (the loops follow memory order), so
+    neighbouring threads read neighbouring channels. Many such short rows fill blocks of
+    at least 128 threads, not one warp."""
+    for name in ("red_pool_channels_last", "red_pool_channels_last_mean"):
+        case = next(c for c in CASES if c.name == name)
+        k = generate(case.trace(), case.name)
+        assert k.emitted.layout == "column", name
+        first = next(ln.strip() for ln in k.source.splitlines() if "= r %" in ln)
+        assert first.endswith("= r % 5;"), first          # C = 5
+        blocks, threads, log2_tk = k.launch_shape(1 << 22, 4)
+        assert threads >= 128 and log2_tk == 0, (blocks, threads, log2_tk)
+        assert k.launch_shape(64, 4)[1] == 32           # few rows: blocks stay small
