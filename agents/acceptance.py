@@ -25,6 +25,7 @@ import torch
 
 from stitch_backend.correctness import compare
 from stitch_backend.program import Program, Step
+from stitch_backend.regions import constant_inputs
 
 from .state import Attempt, Candidate, Trajectory, Verdict
 from .verifier import Verifier, upcast
@@ -139,7 +140,8 @@ def _judge(cand: Candidate, step: Step, inputs: list[Any], eager_outs: Sequence[
                 return None, Verdict(ok=False, reason=why)
         runner = make_runner(cand)
         return runner, verifier.check(runner.poisoning(), step.aten, inputs,
-                                      seed=step.region.id, timed=runner)
+                                      seed=step.region.id, timed=runner,
+                                      keep=constant_inputs(step.aten))
     except Exception as err:  # noqa: BLE001 - a broken candidate is a rejection
         return None, Verdict(ok=False, reason=f"could not run: {type(err).__name__}: {err}")
 

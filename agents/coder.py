@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from stitch_backend.codegen.fused import Unsupported, generate
-from stitch_backend.graph import canonical_graph
+from stitch_backend.graph import canonical_graph, tensor_digest
 from stitch_backend.ir import Region, RegionKind
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
-from stitch_backend.regions import region_module, split_anchor
+from stitch_backend.regions import CONSTANT, region_module, split_anchor
 
 from .state import Candidate, Stage, Subtask
 
@@ -336,11 +336,12 @@ def structure_key(module: torch.fx.GraphModule) -> str | None:
             return None
     digest = hashlib.sha256(canonical_graph(module).encode())
     for node in module.graph.nodes:
-        if node.op == "get_attr":
+        if node.op == "placeholder" and isinstance(node.meta.get(CONSTANT), torch.Tensor):
+            digest.update(tensor_digest(node.meta[CONSTANT]).encode())   # inlined
+        elif node.op == "get_attr":
             value = getattr(module, node.target, None)
             if isinstance(value, torch.Tensor):
-                digest.update(value.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
-                              .tobytes() if value.numel() else b"")
+                digest.update(tensor_digest(value).encode())
             else:
                 digest.update(repr(value).encode())
     return digest.hexdigest()

@@ -4,7 +4,9 @@ The partition is deterministic and greedy, in graph order:
 
 * a gemm / conv / attention node opens a region of its kind; the pointwise chain that
   follows a gemm or conv (same element count as the product, consuming it) is attached
-  as its epilogue; a conv also takes a following batch norm;
+  as its epilogue; a conv also takes a following batch norm; a gemm's pointwise
+  epilogue that one later fused region alone consumes moves into that region (no pass
+  of its own over the product);
 * pointwise, reduction and normalisation nodes join the open fused region when they
   consume a value it produces, else they open a new fused region;
 * views and ``getitem``s move no data: they join the region of their producer when that
@@ -234,9 +236,50 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
         add(node, open_region(RegionKind.FALLBACK,
                               reason="view returned as a graph output (no data moves)"))
 
+    _defer_epilogues(gm, regions)
     plan = _finish(gm, regions, graph_name)
     check_plan(gm, plan)
     return plan
+
+
+def _defer_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
+    """Move a gemm's pointwise epilogue into the one fused region that consumes it.
+
+    The library writes the product either way; an epilogue kernel would then write a
+    second tensor of that size that its consumer reads back. Computed in the consumer
+    (a softmax after attention's ``q @ k^T * scale``, a reduction after a Linear's
+    activation), the epilogue costs no pass of its own. An epilogue that opens with an
+    activation cuBLASLt can fuse (relu, tanh-gelu) stays for that alternative; one that
+    the graph returns, or that several regions read, stays too."""
+    from stitch_backend.lt_ops import activation_epilogue
+
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
+    for i, region in enumerate(regions):
+        if region.kind is not RegionKind.GEMM:
+            continue
+        anchors = [n for n in region.nodes if classify(n) is OpClass.GEMM]
+        if len(anchors) != 1:
+            continue
+        epi = sorted((n for n in region.nodes if order[n] > order[anchors[0]]),
+                     key=order.__getitem__)
+        classes = [classify(n) for n in epi]
+        compute = [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
+        if (not compute or any(c not in (OpClass.POINTWISE, OpClass.VIEW) for c in classes)
+                or activation_epilogue(compute[0]) is not None):
+            continue
+        members = set(epi)
+        readers = {u for n in epi for u in n.users if u not in members}
+        targets = {owner.get(u, -1) for u in readers}
+        if len(targets) != 1:
+            continue
+        (j,) = targets
+        if j <= i or regions[j].kind is not RegionKind.FUSED:
+            continue
+        region.nodes = [n for n in region.nodes if n not in members]
+        regions[j].nodes += epi
+        for n in epi:
+            owner[n] = j
 
 
 def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:

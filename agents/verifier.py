@@ -14,7 +14,7 @@ import logging
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import torch
 
@@ -58,14 +58,16 @@ class DeviceGenerators:
 
 
 def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerators,
-               scale: float = 1.0, negative: bool = False) -> list[Any]:
+               scale: float = 1.0, negative: bool = False,
+               keep: Collection[int] = ()) -> list[Any]:
     """Inputs of the same metas: floats redrawn around the real values' mean and spread
     (times ``scale``; all negative with ``negative``), integers and bools shuffled (so
-    indices stay valid), scalars kept. ``generator``: one generator (its device draws),
-    or ``DeviceGenerators`` (each input drawn on its own device)."""
+    indices stay valid), scalars and the inputs at positions ``keep`` (the graph's
+    constants, which a kernel may inline) kept. ``generator``: one generator (its device
+    draws), or ``DeviceGenerators`` (each input drawn on its own device)."""
     out: list[Any] = []
-    for x in inputs:
-        if not isinstance(x, torch.Tensor):
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor) or i in keep:
             out.append(x)
             continue
         gen = generator(x.device) if isinstance(generator, DeviceGenerators) else generator
@@ -124,21 +126,22 @@ class Verifier:
         self._flush: torch.Tensor | None = None
 
     def check(self, candidate: Fn, eager: Fn, inputs: Sequence[Any], *,
-              seed: int = 0, timed: Fn | None = None) -> Verdict:
+              seed: int = 0, timed: Fn | None = None, keep: Collection[int] = ()) -> Verdict:
         """Correctness and speed of ``candidate`` against ``eager`` on ``inputs`` and fresh
         draws. ``candidate`` must poison (NaN-fill) its outputs before writing them; the
         kernel runners do, and this is checked by the every-element comparison.
         ``timed`` is what is timed (default ``candidate``): the same kernels without
-        the poisoning fills, which the installed runner does not do either."""
+        the poisoning fills, which the installed runner does not do either. ``keep``:
+        positions of inputs every draw keeps (see ``fresh_draw``)."""
         s = self.settings
         gen = DeviceGenerators(seed)
         draws: list[list[Any]] = [list(inputs)]
-        draws += [fresh_draw(inputs, gen) for _ in range(s.draws)]
+        draws += [fresh_draw(inputs, gen, keep=keep) for _ in range(s.draws)]
         refs = [list(eager(*d)) for d in draws]
         degenerate = not any(_outputs_differ(refs[0], r) for r in refs[1:])
         if degenerate:
-            wide = [fresh_draw(inputs, gen, scale=10.0),
-                    fresh_draw(inputs, gen, negative=True)][: max(s.wide_draws, 0)]
+            wide = [fresh_draw(inputs, gen, scale=10.0, keep=keep),
+                    fresh_draw(inputs, gen, negative=True, keep=keep)][: max(s.wide_draws, 0)]
             for d in wide:
                 draws.append(d)
                 refs.append(list(eager(*d)))

@@ -120,6 +120,10 @@ def canonical_graph(gm: torch.fx.GraphModule) -> str:
         if node.op == "get_attr":
             val = getattr(gm, node.target, None)
             desc = value_meta(val, symbols)
+            if isinstance(val, torch.Tensor):
+                # one-element constants are inlined into generated code: the key must
+                # change with the value, not only with its shape and dtype
+                desc["digest"] = tensor_digest(val)
             lines.append(f"%{index[node]} = constant {json.dumps(desc, sort_keys=True)}")
             continue
         target = "operator.getitem" if node.target is operator.getitem else op_name(node)
@@ -127,6 +131,18 @@ def canonical_graph(gm: torch.fx.GraphModule) -> str:
         kwargs = ", ".join(f"{k}={arg(v)}" for k, v in sorted(node.kwargs.items()))
         lines.append(f"%{index[node]} = {target}({args}{', ' if kwargs else ''}{kwargs})")
     return "\n".join(lines)
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """A short hash of a tensor's values (with its dtype and shape)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    if t.numel():
+        with unset_fake_temporarily():      # backends are called inside AOT's fake mode
+            data = t.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy()
+        h.update(data.tobytes())
+    return h.hexdigest()[:16]
 
 
 def input_metas(example_inputs: list[Any]) -> list[dict[str, Any]]:

@@ -8,10 +8,18 @@ sizes. Running the module eagerly is the ATen implementation of the region.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx
 
 from .ir import Region, RegionKind
+
+
+# meta key of a region-module placeholder that stands for a one-element tensor constant
+# of the graph (e.g. ``torch.tensor(0.5)`` in a forward, a CPU tensor beside CUDA ones):
+# its value, which generated code may use as a literal.
+CONSTANT = "stitch_constant"
 
 
 def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphModule:
@@ -24,9 +32,12 @@ def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphMod
         src = nodes[name]
         ph = graph.placeholder(name)
         ph.meta = dict(src.meta)
-        if src.op == "get_attr" and "val" not in ph.meta:
+        if src.op == "get_attr":
             value = getattr(gm, src.target)
-            ph.meta["val"] = value
+            if "val" not in ph.meta:
+                ph.meta["val"] = value
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                ph.meta[CONSTANT] = value     # the Coder inlines it (any device)
         env[src] = ph
     for name in region.nodes:
         src = nodes[name]
@@ -36,6 +47,16 @@ def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphMod
     graph.output(tuple(env[nodes[name]] for name in region.outputs))
     graph.lint()
     return _lazy_module(root, graph, region.name)
+
+
+def constant_inputs(module: Any) -> list[int]:
+    """Positions of the inputs of a region module that are graph constants (CONSTANT);
+    none for any other callable."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    return [i for i, n in enumerate(placeholders) if CONSTANT in n.meta]
 
 
 def _lazy_module(root: torch.nn.Module, graph: torch.fx.Graph, name: str) -> torch.fx.GraphModule:

@@ -21,6 +21,7 @@ import sympy
 import torch
 import torch.fx
 
+from ..regions import CONSTANT
 from . import indexing as ix
 from .kernel_ir import (
     HALF_TYPES, STORAGE_TYPES, Cast, Const, Domain, Expr, IndexVal, KernelIR, Load, Op,
@@ -366,8 +367,14 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
     ctx = Ctx(gm, name)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     int_inputs = []
+    constants = set()
     for pos, node in enumerate(placeholders):
         val = _meta(node)
+        const = node.meta.get(CONSTANT)
+        if isinstance(const, torch.Tensor) and const.dtype in STORAGE_TYPES:
+            ctx.env[node] = _const_lt(const)    # a literal: the kernel never reads it
+            constants.add(node)
+            continue
         if isinstance(val, torch.Tensor):
             if val.dtype not in STORAGE_TYPES:
                 raise Unsupported(f"input {node.name} has dtype {val.dtype}")
@@ -411,7 +418,7 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
         if not isinstance(o, torch.fx.Node) or not isinstance(ctx.env.get(o), LT):
             raise Unsupported(f"region output {o} is not a tensor computed in the region")
         out_vals.append((o, ctx.env[o]))
-    _one_device(placeholders, outputs)
+    _one_device([p for p in placeholders if p not in constants], outputs)
     from .finalize import finalize
 
     return finalize(ctx, out_vals, int_inputs)
@@ -498,8 +505,15 @@ def _get_attr(gm: torch.fx.GraphModule, node: torch.fx.Node) -> LT:
         value = getattr(value, part)
     if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.dtype not in STORAGE_TYPES:
         raise Unsupported(f"constant {node.target}: only one-element tensor constants are inlined")
-    v = value.item()
-    c = Const(value.dtype, v)
+    return _const_lt(value)
+
+
+def _const_lt(value: torch.Tensor) -> LT:
+    """A one-element tensor constant as a literal of its shape and dtype."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():      # the Coder may run inside AOTAutograd's fake mode
+        c = Const(value.dtype, value.item())
     return LT(tuple(value.shape), value.dtype, lambda o: c)
 
 

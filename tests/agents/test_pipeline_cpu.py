@@ -246,3 +246,28 @@ def test_symbolic_graph_reverifies_kernels_on_each_new_shape(monkeypatch):
     assert len(dynamic) == 1
     (region,) = [r for r in dynamic[0].plan.regions if r.kind.value == "fused"]
     assert region.backend == "aten" and "wrong result" in region.reason
+
+
+def test_a_tensor_constant_in_forward_is_inlined_into_the_generated_kernel():
+    """``torch.min(x, torch.tensor(0.5))`` (a graph constant, a CPU tensor even when ``x``
+    is on the GPU) fuses with its neighbours into a generated kernel; the values are
+    eager's, and the same model with 0.7 compiles its own kernel (Dynamo traces that one
+    as a ``scalar_tensor``)."""
+    class ClampMin(torch.nn.Module):
+        def __init__(self, value: float):
+            super().__init__()
+            self.value = value
+
+        def forward(self, x):
+            return torch.min(torch.tanh(x), torch.tensor(self.value)) * 3.0
+
+    x = torch.randn(64, 33)
+    for value in (0.5, 0.7):
+        backend = StitchBackend(options={**OPTIONS, "cache": False})
+        compiled = torch.compile(ClampMin(value), backend=backend)
+        with torch.no_grad():
+            for _ in range(2):
+                torch.testing.assert_close(compiled(x), ClampMin(value)(x))
+        regions = [r for r in _regions(backend) if r.ops]
+        assert all(r.backend == "kernel" for r in regions), [r.reason for r in regions]
+        assert any("aten.minimum.default" in r.ops for r in regions)

@@ -50,6 +50,32 @@ def test_gemm_takes_its_epilogue_chain():
                                           "aten.add.Tensor", "aten.relu.default"]
 
 
+def test_a_gemm_epilogue_one_fused_region_consumes_moves_into_it():
+    """``softmax(q @ k^T * scale)``: the scale joins the softmax's region (computed as the
+    softmax reads the product) instead of a pass of its own after the bmm. An epilogue
+    the graph returns stays with its gemm; so does one opening with relu (cuBLASLt's)."""
+    q, k = torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    (rec,) = _records(lambda q, k: torch.softmax(torch.bmm(q, k.transpose(1, 2)) * 0.25, -1),
+                      q, k)
+    (gemm,) = [r for r in rec.plan.regions if r.kind is RegionKind.GEMM]
+    assert gemm.ops == ["aten.bmm.default"]
+    (fused,) = [r for r in rec.plan.regions if r.kind is RegionKind.FUSED]
+    assert "aten.mul.Tensor" in fused.ops and "aten._softmax.default" in fused.ops
+    check_plan(rec.gm, rec.plan)
+    lin = torch.nn.Linear(8, 8)
+
+    def returned_too(x):
+        y = lin(x) * 2.0
+        return y, y.sum(-1)
+
+    (rec,) = _records(returned_too, torch.randn(4, 8))
+    (gemm,) = [r for r in rec.plan.regions if r.kind is RegionKind.GEMM]
+    assert gemm.ops == ["aten.addmm.default", "aten.mul.Tensor"]
+    (rec,) = _records(lambda x: F.relu(lin(x)).sum(-1), torch.randn(4, 8))
+    (gemm,) = [r for r in rec.plan.regions if r.kind is RegionKind.GEMM]
+    assert gemm.ops == ["aten.addmm.default", "aten.relu.default"]
+
+
 def test_conv_takes_batchnorm_and_relu():
     conv, bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4).eval()
     (rec,) = _records(lambda x: F.relu(bn(conv(x))), torch.randn(2, 3, 8, 8))

@@ -101,3 +101,15 @@ def test_key_covers_the_code_generating_sources():
     names = {f.name for f in code_files()}
     assert {"lower.py", "emit_cuda.py", "coder.py", "split_stats.py", "fused_ops.cuh"} <= names
     assert versions()["code"] == code_digest() and len(code_digest()) == 16
+
+
+def test_key_changes_with_a_constant_value_not_only_its_shape():
+    """``torch.tensor(0.5)`` in a forward is a graph constant the Coder inlines as a
+    literal: a graph with 0.7 there must not reuse the cached kernels of 0.5."""
+    def trace(value):
+        gm, inputs = _trace(lambda x: torch.minimum(x, torch.tensor(value)) * 2, shapes=((4, 8),))
+        assert any(n.op == "get_attr" for n in gm.graph.nodes)
+        return _key(gm, inputs)
+
+    assert trace(0.5) == trace(0.5)
+    assert trace(0.5) != trace(0.7)

@@ -228,3 +228,33 @@ def test_half_results_round_where_eager_rounds():
     gm = _trace(lambda x, y: x * y + 1e-3, a, b)
     out = generate(gm, "h").interpret([a, b])[0]
     assert torch.equal(out, gm(a, b))
+
+
+def test_a_cpu_scalar_constant_beside_cuda_tensors_is_inlined():
+    """``torch.minimum(x, torch.tensor(0.5))`` on a CUDA ``x``: the constant is a CPU
+    tensor (ATen allows the mix); a region module marks it, and the kernel takes it as a
+    literal instead of refusing a region that mixes devices (L2 31's minimum ran on ATen
+    between two generated stages)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from stitch_backend.regions import CONSTANT
+
+    def fn(x, c):
+        return torch.minimum(x, c) * 2.0
+
+    gm = make_fx(fn)(torch.randn(4, 8), torch.tensor(0.5))
+    mode = FakeTensorMode()
+    with mode:
+        fake_x = torch.empty(4, 8, device="cuda")
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(fake_x, mode.from_tensor(torch.tensor(0.5)))
+    c_node = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    assert c_node.meta["val"].device.type == "cpu"
+    with pytest.raises(Unsupported, match="mixes devices"):
+        generate(gm, "mixed")
+    c_node.meta[CONSTANT] = torch.tensor(0.5)
+    k = generate(gm, "inlined")
+    assert [a.position for a in k.ir.inputs] == [0]
+    assert "0.5f" in k.source
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(k.interpret([x, torch.tensor(0.5)])[0], fn(x, torch.tensor(0.5)))
