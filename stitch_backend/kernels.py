@@ -38,8 +38,7 @@ class KernelRunner:
         return twin
 
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
-        for arg in self.kernel.ir.inputs:     # not the constants it inlined (CPU scalars)
-            x = inputs[arg.position]
+        for x in inputs:
             if isinstance(x, torch.Tensor) and x.device.type != "cuda":
                 raise ValueError(f"{self.kernel.name}: input on {x.device}; the kernel "
                                  "reads CUDA memory only")
