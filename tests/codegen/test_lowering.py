@@ -230,11 +230,10 @@ def test_half_results_round_where_eager_rounds():
     assert torch.equal(out, gm(a, b))
 
 
-def test_a_cpu_scalar_constant_beside_cuda_tensors_is_inlined():
-    """``torch.minimum(x, torch.tensor(0.5))`` on a CUDA ``x``: the constant is a CPU
-    tensor (ATen allows the mix); a region module marks it, and the kernel takes it as a
-    literal instead of refusing a region that mixes devices (L2 31's minimum ran on ATen
-    between two generated stages)."""
+def test_a_scalar_constant_is_inlined_on_its_own_device_only():
+    """``torch.minimum(x, torch.tensor(0.5))``: a region module marks the constant, and a
+    kernel on the constant's device takes it as a literal; on a CUDA ``x`` the constant
+    is a CPU tensor and the region still refuses the mix of devices."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -253,7 +252,13 @@ def test_a_cpu_scalar_constant_beside_cuda_tensors_is_inlined():
     with pytest.raises(Unsupported, match="mixes devices"):
         generate(gm, "mixed")
     c_node.meta[CONSTANT] = torch.tensor(0.5)
-    k = generate(gm, "inlined")
+    # still refused: the CUDA launch path checks every region input's device (an
+    # attempt to launch past that check failed on the H200 together with another change)
+    with pytest.raises(Unsupported, match="mixes devices"):
+        generate(gm, "still_mixed")
+    cpu = make_fx(fn)(torch.randn(4, 8), torch.tensor(0.5))
+    [n for n in cpu.graph.nodes if n.op == "placeholder"][1].meta[CONSTANT] = torch.tensor(0.5)
+    k = generate(cpu, "inlined")
     assert [a.position for a in k.ir.inputs] == [0]
     assert "0.5f" in k.source
     x = torch.randn(4, 8)
