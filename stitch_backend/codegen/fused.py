@@ -105,8 +105,11 @@ def _dtype(name: str) -> torch.dtype:
 def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "LaunchPlan":
     """The launch for ``inputs`` of a layout already validated: fresh outputs and
     workspaces on the inputs' device, and the packed argument list."""
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    device = tensors[0].device if tensors else torch.device("cuda")
+    # the device of what the kernel reads: a region input it does not read (a CPU
+    # scalar constant it inlined) must not place the outputs in host memory
+    read = [inputs[p] for p in layout.positions if isinstance(inputs[p], torch.Tensor)]
+    read = read or [x for x in inputs if isinstance(x, torch.Tensor)]
+    device = read[0].device if read else torch.device("cuda")
     outputs = tuple(torch.empty_strided(shape, stride, dtype=dt, device=device)
                     for shape, stride, dt in layout.outputs)
     scratch = tuple(torch.empty(n, dtype=dt, device=device) if n

@@ -263,3 +263,17 @@ def test_a_scalar_constant_is_inlined_on_its_own_device_only():
     assert "0.5f" in k.source
     x = torch.randn(4, 8)
     torch.testing.assert_close(k.interpret([x, torch.tensor(0.5)])[0], fn(x, torch.tensor(0.5)))
+
+
+def test_outputs_live_on_the_device_of_what_the_kernel_reads():
+    """A region input the kernel does not read (a CPU scalar constant it inlined) may come
+    first: the outputs still go where the read inputs are (a kernel writing through a
+    host pointer is an illegal address on the GPU). Meta tensors stand in for CUDA."""
+    from stitch_backend.codegen.fused import Layout, launch_plan
+
+    layout = Layout(outputs=(((4, 8), (8, 1), torch.float32),), scratch=(), positions=(1,),
+                    tail=(), grid=(1, 1, 1), block=(128, 1, 1))
+    plan = launch_plan(layout, [torch.tensor(0.5), torch.empty(4, 8, device="meta")])
+    assert plan.outputs[0].device.type == "meta"
+    plan = launch_plan(layout, [torch.empty(4, 8, device="meta"), torch.randn(4, 8)])
+    assert plan.outputs[0].device.type == "cpu"
