@@ -334,14 +334,14 @@ def structure_key(module: torch.fx.GraphModule) -> str | None:
                 isinstance(val, torch.SymInt) or isinstance(val, torch.Tensor) and any(
                     isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride()))):
             return None
+    # the canonical graph carries the digest of every tensor constant (get_attr); the
+    # values of constants that came in as inputs, and of non-tensor ones, are added here
     digest = hashlib.sha256(canonical_graph(module).encode())
     for node in module.graph.nodes:
         if node.op == "placeholder" and isinstance(node.meta.get(CONSTANT), torch.Tensor):
-            digest.update(tensor_digest(node.meta[CONSTANT]).encode())   # inlined
+            digest.update(tensor_digest(node.meta[CONSTANT]).encode())   # may be inlined
         elif node.op == "get_attr":
             value = getattr(module, node.target, None)
-            if isinstance(value, torch.Tensor):
-                digest.update(tensor_digest(value).encode())
-            else:
+            if not isinstance(value, torch.Tensor):
                 digest.update(repr(value).encode())
     return digest.hexdigest()

@@ -17,8 +17,9 @@ from .ir import Region, RegionKind
 
 
 # meta key of a region-module placeholder that stands for a one-element tensor constant
-# of the graph (e.g. ``torch.tensor(0.5)`` in a forward, a CPU tensor beside CUDA ones):
-# its value, which generated code may use as a literal.
+# of the graph (e.g. ``torch.tensor(0.5)`` in a forward): its value, which generated
+# code uses as a literal where the constant lives on the device of the region's other
+# tensor inputs (codegen.lower).
 CONSTANT = "stitch_constant"
 
 
@@ -37,7 +38,7 @@ def region_module(gm: torch.fx.GraphModule, region: Region) -> torch.fx.GraphMod
             if "val" not in ph.meta:
                 ph.meta["val"] = value
             if isinstance(value, torch.Tensor) and value.numel() == 1:
-                ph.meta[CONSTANT] = value     # the Coder inlines it (any device)
+                ph.meta[CONSTANT] = value     # the Coder may inline it
         env[src] = ph
     for name in region.nodes:
         src = nodes[name]
