@@ -15,7 +15,9 @@ The partition is deterministic and greedy, in graph order:
 * random ops, in-place ops and everything else are fallback regions (one per node,
   consecutive host-side size arithmetic grouped) with the reason in words.
 
-With ``defer_roots`` (the ``fuse_roots`` option, experimental), a pointwise or factory
+A factory node with no inputs (``scalar_tensor``) waits for its first fused consumer
+and joins that region, as a view does. With ``defer_roots`` (the ``fuse_roots`` option,
+experimental), any pointwise or factory
 node that reads only graph inputs (a "root": ``log(predictions)``, ``targets == 0``,
 ``scalar_tensor``) does not open a region of its own: like a view it waits for its first
 fused consumer and joins that region (KLDiv's loss is then one region instead of six).
@@ -202,8 +204,12 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
             if target is not None:
                 add(node, regions[target])
                 continue
-            if defer_roots and cls in (OpClass.POINTWISE, OpClass.FACTORY) \
-                    and _producers(node) == [-1]:
+            # A factory with no inputs at all (the ``scalar_tensor`` of a logsumexp's or
+            # masked softmax's ``where``) always waits for its consumer: opening a region
+            # of its own, it would cut the consumer off from the region it belongs to.
+            if (defer_roots and cls in (OpClass.POINTWISE, OpClass.FACTORY)
+                    and _producers(node) == [-1]) or (
+                        cls is OpClass.FACTORY and not node.all_input_nodes):
                 pending_free.append(node)
                 deferred.add(node)
                 continue

@@ -38,7 +38,8 @@ class KernelRunner:
         return twin
 
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
-        for x in inputs:
+        for arg in self.kernel.ir.inputs:     # not the constants it inlined (CPU scalars)
+            x = inputs[arg.position]
             if isinstance(x, torch.Tensor) and x.device.type != "cuda":
                 raise ValueError(f"{self.kernel.name}: input on {x.device}; the kernel "
                                  "reads CUDA memory only")

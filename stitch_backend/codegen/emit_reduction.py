@@ -55,6 +55,17 @@ def _acc_ctype(r: Reduction) -> str:
     return f"sfk_argpair<{ct}>" if r.kind in ("argmax", "argmin") else ct
 
 
+def _smem_width(ir: KernelIR) -> int:
+    """Bytes of the widest accumulator of ``ir``'s reductions (argmax pairs: 16)."""
+    width = 4
+    for r in ir.reductions:
+        ct = _acc_ctype(r)
+        width = max(width, 16 if ct.startswith("sfk_argpair") else
+                    4 if ct in ("float", "int", "short", "signed char", "unsigned char", "bool")
+                    else 8)
+    return width
+
+
 def _layout(ir: KernelIR) -> str:
     d = ir.domain
     if not d.red_vars:
@@ -105,7 +116,10 @@ def emit_reduction(ir: KernelIR) -> Emitted:
                   + (", cross-row reduction in the last block" if outer else ""))
     L.append(f'extern "C" __global__ void __launch_bounds__(1024) {ir.name}(')
     L.append("    " + ",\n    ".join(params) + ") {")
-    L.append("  __shared__ __align__(16) unsigned char sfk_smem[16384];")
+    # sfk_group_reduce stages one accumulator per thread (up to 1024): sized for the
+    # widest one here, not for the widest of all (16 KB of static shared memory cost
+    # fp32 reductions blocks per SM)
+    L.append(f"  __shared__ __align__(16) unsigned char sfk_smem[{1024 * _smem_width(ir)}];")
     L += k.symbol_prologue("  ")
     IDX = k.IDX
     rows = " * ".join(f"({k.c_size(e)})" for e in d.row_extents) or "1"

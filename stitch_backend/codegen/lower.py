@@ -368,17 +368,15 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     int_inputs = []
     constants = set()
-    # A constant is inlined only on the device of the region's other tensor inputs (and
-    # only where there are some): the CUDA launch path still checks every region input's
-    # device, so a CPU constant beside CUDA tensors keeps the region's mixed-device
-    # refusal (a staged candidate runs the op that reads it on ATen).
+    # A constant is inlined where the region has other tensor inputs (they place the
+    # outputs); a CPU scalar beside CUDA tensors then costs the kernel nothing.
     devices = {str(_meta(n).device) for n in placeholders
                if CONSTANT not in n.meta and isinstance(_meta(n), torch.Tensor)}
     for pos, node in enumerate(placeholders):
         val = _meta(node)
         const = node.meta.get(CONSTANT)
         if (isinstance(const, torch.Tensor) and const.dtype in STORAGE_TYPES
-                and devices == {str(const.device)}):
+                and devices):
             ctx.env[node] = _const_lt(const)    # a literal: the kernel never reads it
             constants.add(node)
             continue

@@ -94,6 +94,18 @@ def test_softmax_chain_is_one_fused_region():
     assert "aten._softmax.default" in fused[0].ops and "aten.log.default" in fused[0].ops
 
 
+def test_logsumexp_is_one_fused_region():
+    """logsumexp decomposes to amax, a ``where`` over a ``scalar_tensor`` (infinite
+    maxima), exp, sum, log: the factory waits for its consumer instead of opening a
+    region that cut the decomposition in two."""
+    (rec,) = _records(lambda x: torch.logsumexp(x * 2.0, -1) + 1, torch.randn(4, 16))
+    targets = {str(n.target) for n in rec.gm.graph.nodes}
+    assert "aten.scalar_tensor.default" in targets
+    fused = [r for r in rec.plan.regions if r.kind is RegionKind.FUSED]
+    assert len(fused) == 1, [r.ops for r in fused]
+    assert {"aten.amax.default", "aten.sum.dim_IntList", "aten.log.default"} <= set(fused[0].ops)
+
+
 def test_random_ops_are_fallbacks_with_reason():
     (rec,) = _records(lambda x: F.dropout(x, 0.5, True) + torch.rand_like(x), torch.randn(4, 4))
     rand = [r for r in rec.plan.regions if r.kind is RegionKind.FALLBACK]

@@ -153,3 +153,20 @@ def test_graphs_with_random_ops_are_not_captured():
             compiled(torch.randn(4, 32, device="cuda"))
     (rec,) = backend.records
     assert any("replay off: random op" in n for n in rec.notes), rec.notes
+
+
+def test_a_cpu_scalar_constant_runs_inside_a_generated_kernel():
+    """``torch.min(x, torch.tensor(0.5))`` on a CUDA ``x``: the CPU constant is inlined,
+    so the region (tanh, minimum, mul) runs as one verified kernel, not on ATen."""
+    class ClampMin(torch.nn.Module):
+        def forward(self, x):
+            return torch.min(torch.tanh(x), torch.tensor(0.5)) * 3.0
+
+    x = torch.randn(256, 1000, device="cuda")
+    backend = StitchBackend(options={"require_speedup": False, "eager_guard": False})
+    got = [_run(ClampMin(), [x], backend) for _ in range(2)]
+    for g in got:
+        torch.testing.assert_close(g, ClampMin()(x))
+    regions = [r for rec in backend.records for r in rec.plan.regions if r.ops]
+    assert any("aten.minimum.default" in r.ops for r in regions)
+    assert all(r.backend == "kernel" for r in regions), [r.reason for r in regions]

@@ -78,3 +78,14 @@ def test_a_channels_last_pooling_takes_its_rows_channel_fastest():
         blocks, threads, log2_tk = k.launch_shape(1 << 22, 4)
         assert threads >= 128 and log2_tk == 0, (blocks, threads, log2_tk)
         assert k.launch_shape(64, 4)[1] == 32           # few rows: blocks stay small
+
+
+def test_reduction_shared_memory_fits_its_widest_accumulator():
+    """One staged accumulator per thread (up to 1024): 4 KB for fp32 sums, 16 KB only
+    where an argmax carries (value, index) pairs."""
+    want = {"red_sum_outer_inner_vec": 4096, "red_argmax_argmin": 16384,
+            "red_pool_channels_last_mean": 4096}
+    for case in CASES:
+        if case.name in want:
+            source = generate(case.trace(), case.name).source
+            assert f"sfk_smem[{want[case.name]}]" in source, case.name

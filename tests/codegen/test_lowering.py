@@ -230,10 +230,10 @@ def test_half_results_round_where_eager_rounds():
     assert torch.equal(out, gm(a, b))
 
 
-def test_a_scalar_constant_is_inlined_on_its_own_device_only():
-    """``torch.minimum(x, torch.tensor(0.5))``: a region module marks the constant, and a
-    kernel on the constant's device takes it as a literal; on a CUDA ``x`` the constant
-    is a CPU tensor and the region still refuses the mix of devices."""
+def test_a_scalar_constant_is_inlined_beside_tensors_of_any_device():
+    """``torch.minimum(x, torch.tensor(0.5))``: a region module marks the constant and
+    the kernel takes it as a literal, also when it is a CPU scalar beside a CUDA ``x``
+    (unmarked, the region refuses the mix of devices)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -252,10 +252,8 @@ def test_a_scalar_constant_is_inlined_on_its_own_device_only():
     with pytest.raises(Unsupported, match="mixes devices"):
         generate(gm, "mixed")
     c_node.meta[CONSTANT] = torch.tensor(0.5)
-    # still refused: the CUDA launch path checks every region input's device (an
-    # attempt to launch past that check failed on the H200 together with another change)
-    with pytest.raises(Unsupported, match="mixes devices"):
-        generate(gm, "still_mixed")
+    k = generate(gm, "across")              # inlined beside the CUDA tensor
+    assert [a.position for a in k.ir.inputs] == [0] and "0.5f" in k.source
     cpu = make_fx(fn)(torch.randn(4, 8), torch.tensor(0.5))
     [n for n in cpu.graph.nodes if n.op == "placeholder"][1].meta[CONSTANT] = torch.tensor(0.5)
     k = generate(cpu, "inlined")
