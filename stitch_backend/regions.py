@@ -18,8 +18,8 @@ from .ir import Region, RegionKind
 
 # meta key of a region-module placeholder that stands for a one-element tensor constant
 # of the graph (e.g. ``torch.tensor(0.5)`` in a forward): its value, which generated
-# code uses as a literal where the constant lives on the device of the region's other
-# tensor inputs (codegen.lower).
+# code uses as a literal wherever the region has other tensor inputs (codegen.lower); a
+# CPU scalar beside CUDA tensors then costs the kernel nothing.
 CONSTANT = "stitch_constant"
 
 
