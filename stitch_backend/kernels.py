@@ -38,12 +38,11 @@ class KernelRunner:
         return twin
 
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
-        for arg in self.kernel.ir.inputs:     # not the constants it inlined (CPU scalars)
-            x = inputs[arg.position]
-            if isinstance(x, torch.Tensor) and x.device.type != "cuda":
+        launch = self.kernel.prepare(inputs)
+        for x in launch.reads:     # not the constants it inlined (CPU scalars)
+            if x.device.type != "cuda":
                 raise ValueError(f"{self.kernel.name}: input on {x.device}; the kernel "
                                  "reads CUDA memory only")
-        launch = self.kernel.prepare(inputs)
         if self.poison:
             for out in launch.outputs:
                 if out.is_floating_point():

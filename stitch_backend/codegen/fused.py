@@ -44,6 +44,7 @@ class LaunchPlan:
     args: tuple
     outputs: tuple[torch.Tensor, ...]
     scratch: tuple[torch.Tensor, ...] = ()
+    reads: tuple[torch.Tensor, ...] = ()     # the region inputs the kernel reads
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,9 @@ def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "Launch
     workspaces on the inputs' device, and the packed argument list."""
     # the device of what the kernel reads: a region input it does not read (a CPU
     # scalar constant it inlined) must not place the outputs in host memory
-    read = [inputs[p] for p in layout.positions if isinstance(inputs[p], torch.Tensor)]
-    read = read or [x for x in inputs if isinstance(x, torch.Tensor)]
-    device = read[0].device if read else torch.device("cuda")
+    read = tuple(inputs[p] for p in layout.positions if isinstance(inputs[p], torch.Tensor))
+    placed = read or [x for x in inputs if isinstance(x, torch.Tensor)]
+    device = placed[0].device if placed else torch.device("cuda")
     outputs = tuple(torch.empty_strided(shape, stride, dtype=dt, device=device)
                     for shape, stride, dt in layout.outputs)
     scratch = tuple(torch.empty(n, dtype=dt, device=device) if n
@@ -119,7 +120,7 @@ def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "Launch
     args += [o.data_ptr() for o in outputs]
     args += [t.data_ptr() for t in scratch]
     args += layout.tail
-    return LaunchPlan(layout.grid, layout.block, 0, tuple(args), outputs, scratch)
+    return LaunchPlan(layout.grid, layout.block, 0, tuple(args), outputs, scratch, read)
 
 
 def _pow2_at_least(n: int) -> int:

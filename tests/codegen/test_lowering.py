@@ -273,5 +273,6 @@ def test_outputs_live_on_the_device_of_what_the_kernel_reads():
                     tail=(), grid=(1, 1, 1), block=(128, 1, 1))
     plan = launch_plan(layout, [torch.tensor(0.5), torch.empty(4, 8, device="meta")])
     assert plan.outputs[0].device.type == "meta"
+    assert [t.device.type for t in plan.reads] == ["meta"]   # what the runner checks
     plan = launch_plan(layout, [torch.empty(4, 8, device="meta"), torch.randn(4, 8)])
     assert plan.outputs[0].device.type == "cpu"
