@@ -19,11 +19,12 @@ import torch.fx
 from .regions import inherit_source, rewritable_copy
 
 aten = torch.ops.aten
-CONV = aten.convolution.default
+# aten._convolution: the layout pass's convolutions with cuDNN's TF32 off
+CONVS = (aten.convolution.default, aten._convolution.default)
 
 
 def _eligible(node: torch.fx.Node, device: str) -> bool:
-    if node.op != "call_function" or node.target is not CONV:
+    if node.op != "call_function" or node.target not in CONVS:
         return False
     x, w, bias = node.args[:3]
     groups = node.args[8] if len(node.args) > 8 else node.kwargs.get("groups", 1)

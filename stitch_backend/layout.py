@@ -26,9 +26,11 @@ convolution that it runs in exact fp32 when the input is NCHW (seen on the H200 
 test zoo's small convolutions: normalised error 4.4e-4 against eager's 2.5e-7). So before
 the rewrite every distinct convolution runs once both ways on random inputs of its traced
 sizes and strides, beside an fp64 run, and DESIGN.md's rule (``correctness.compare``)
-judges the channels-last result against the traced layout's; one that fails keeps its
-traced layout (its input converted back where needed; the report says why), and where
-every one fails the graph stays as traced. The check depends on sizes, dtypes and cuDNN's
+judges the channels-last result against the traced layout's. One that fails is tried
+once more channels-last with cuDNN's TF32 off for it alone (``aten._convolution`` with
+``allow_tf32=False``: exact fp32, as eager's NCHW kernel was); if that passes, the graph
+runs it so. One that still fails keeps its traced layout (its input converted back where
+needed; the report says why), and where every one fails the graph stays as traced. The check depends on sizes, dtypes and cuDNN's
 choices, not on the values, so it runs at compile time; each verdict is kept as a note
 in the cache (keyed by the convolution, the GPU, the torch and cuDNN versions and the
 precision flags), so a warm start runs no convolution.
@@ -51,6 +53,9 @@ log = logging.getLogger("stitch_backend.layout")
 
 aten = torch.ops.aten
 CONV = aten.convolution.default
+# A convolution with cuDNN's flags as arguments: the layout pass runs one with
+# ``allow_tf32=False`` where cuDNN's TF32 NHWC kernel would be less accurate than eager.
+CONV_FLAGGED = aten._convolution.default
 # Results depend on the input's strides, not only its values.
 _STRIDED = frozenset({aten.as_strided.default, aten.as_strided_scatter.default,
                       aten.as_strided_copy.default})
@@ -92,12 +97,15 @@ class LayoutResult:
     convolutions: int = 0
     kept: int = 0           # convolutions left in the traced layout (precision)
     kept_why: str = ""      # the first one's reason
+    exact: int = 0          # NHWC convolutions run with cuDNN's TF32 off (precision)
 
     def note(self) -> str:
         if self.applied:
+            exact = (f" ({self.exact} with cuDNN's TF32 off: its TF32 NHWC kernel was less "
+                     "accurate than the traced layout's)" if self.exact else "")
             kept = (f", {self.kept} kept in the traced layout ({self.kept_why})"
                     if self.kept else "")
-            return (f"channels-last: {self.convolutions} convolution(s) run NHWC{kept}, "
+            return (f"channels-last: {self.convolutions} convolution(s) run NHWC{exact}{kept}, "
                     f"{self.conversions} layout conversion(s) in the graph")
         return f"channels-last off: {self.why}"
 
@@ -172,7 +180,7 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
     if why is not None:
         return gm, LayoutResult(False, why)
     convs = convolutions(gm)
-    refused = precision_verdicts(convs, notes)
+    refused, exact = precision_verdicts(convs, notes)
     if refused and (not partial or len(refused) == len(convs)):
         return gm, LayoutResult(False, next(iter(refused.values())))
     copied = rewritable_copy(gm, lambda n: True)
@@ -181,7 +189,7 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
                                        "strides with")
     new, mode = copied
     try:
-        result = _Rewrite(new, mode, exempt=set(refused)).run()
+        result = _Rewrite(new, mode, exempt=set(refused), exact=exact).run()
     except _Abort as err:
         return gm, LayoutResult(False, str(err))
     if refused:
@@ -193,7 +201,8 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
 
 
 class _Rewrite:
-    def __init__(self, gm: torch.fx.GraphModule, mode, exempt: set[str] = frozenset()):
+    def __init__(self, gm: torch.fx.GraphModule, mode, exempt: set[str] = frozenset(),
+                 exact: set[str] = frozenset()):
         self.gm = gm
         self.graph = gm.graph
         self.mode = mode
@@ -202,6 +211,7 @@ class _Rewrite:
         # convolutions that run NHWC; the exempt ones (by name) keep the traced layout
         self.conv_nodes = {n for n in convolutions(gm) if n.name not in exempt}
         self.exempt = exempt
+        self.exact = exact       # NHWC with cuDNN's TF32 off (by name)
         self.restored: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
         self.conversions = 0
         self.convs = 0
@@ -215,11 +225,14 @@ class _Rewrite:
                 break
             if node in self.conv_nodes:
                 self._to_channels_last_input(node)
+                if node.name in self.exact:
+                    node.target, node.args = CONV_FLAGGED, exact_args(node.args)
                 self.convs += 1
             elif node.name in self.exempt or self._stride_dependent(node):
                 self._restore_inputs(node)
             self._recompute(node)
-        return LayoutResult(True, "", self.conversions, self.convs)
+        return LayoutResult(True, "", self.conversions, self.convs,
+                            exact=len(self.exact & {n.name for n in self.conv_nodes}))
 
     @staticmethod
     def _stride_dependent(node: torch.fx.Node) -> bool:
@@ -296,50 +309,87 @@ class _Rewrite:
             return node.target(*args, **kwargs)
 
 
-NOTE_KIND = "layout-precision"
+# "-2": verdicts carry ``exact`` (earlier notes, without it, are not read)
+NOTE_KIND = "layout-precision-2"
 
 
-def precision_verdicts(convs: list[torch.fx.Node], notes: Any = None) -> dict[str, str]:
-    """Name -> why, for each of ``convs`` that channels-last would make less accurate
-    than its traced layout (those keep it). Each distinct convolution (sizes, strides,
-    arguments) runs once as traced, once with a channels-last input and once in fp64, on
+@dataclass(frozen=True)
+class Verdict:
+    """The precision check's answer for one convolution."""
+
+    why: str | None           # None: channels-last is as accurate as the traced layout
+    exact: bool = False       # ... with cuDNN's TF32 off for this convolution
+    final: bool = True        # worth keeping (a check that could not run is not)
+
+
+def precision_verdicts(convs: list[torch.fx.Node], notes: Any = None
+                       ) -> tuple[dict[str, str], set[str]]:
+    """(name -> why, for each of ``convs`` that channels-last would make less accurate
+    than its traced layout (those keep it); the names of those that are as accurate
+    channels-last only with cuDNN's TF32 off). Each distinct convolution (sizes,
+    strides, arguments) runs as traced, with a channels-last input and in fp64, on
     random inputs, unless ``notes`` (a cache Store) holds its verdict from an earlier
     run."""
-    verdicts: dict[tuple, str | None] = {}
-    refused = {}
+    verdicts: dict[tuple, Verdict] = {}
+    refused, exact = {}, set()
     for node in convs:
         key = _conv_key(node)
         if key not in verdicts:
             note_key = _note_key(key, node)
             stored = _read_note(notes, note_key)
             if stored is not None:
-                verdicts[key] = stored["why"]
+                verdicts[key] = Verdict(stored["why"], bool(stored.get("exact")))
             else:
-                verdicts[key], final = _judge(node)
-                if final:
-                    _write_note(notes, note_key, {"why": verdicts[key]})
-        if verdicts[key] is not None:
-            refused[node.name] = verdicts[key]
-    return refused
+                verdicts[key] = _judge(node)
+                if verdicts[key].final:
+                    _write_note(notes, note_key, {"why": verdicts[key].why,
+                                                  "exact": verdicts[key].exact})
+        verdict = verdicts[key]
+        if verdict.why is not None:
+            refused[node.name] = verdict.why
+        elif verdict.exact:
+            exact.add(node.name)
+    return refused, exact
 
 
-def _judge(node: torch.fx.Node) -> tuple[str | None, bool]:
-    """(why ``node`` loses precision channels-last or None, whether that is a verdict
-    worth keeping: a check that could not run is not)."""
+def _judge(node: torch.fx.Node) -> Verdict:
+    """Whether ``node`` keeps eager's precision channels-last: as it is, or else with
+    cuDNN's TF32 off for it (where TF32 is allowed and cuDNN runs it)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    retry = tf32_may_apply(node)
     with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
         try:
-            traced, nhwc, fp64 = conv_outputs(node)
+            traced, nhwc, fp64 = conv_outputs(node, exact=False)
+            cmp = compare(nhwc, traced, fp64)
+            if cmp.ok_design:
+                return Verdict(None)
+            if retry:
+                traced, nhwc, fp64 = conv_outputs(node, exact=True)
+                if compare(nhwc, traced, fp64).ok_design:
+                    return Verdict(None, exact=True)
         except Exception as err:  # noqa: BLE001 - no verdict: no rewrite
-            return (f"the precision check of {node.name} could not run "
-                    f"({type(err).__name__}: {err})"), False
-        cmp = compare(nhwc, traced, fp64)
-    if cmp.ok_design:
-        return None, True
-    return (f"{node.name} ({_describe(node)}) is less accurate with a channels-last "
-            f"input ({cmp.reason}; cuDNN's kernel choice differs by layout, e.g. "
-            "TF32 in NHWC where NCHW is exact fp32)"), True
+            return Verdict(f"the precision check of {node.name} could not run "
+                           f"({type(err).__name__}: {err})", final=False)
+    return Verdict(f"{node.name} ({_describe(node)}) is less accurate with a channels-last "
+                   f"input ({cmp.reason}; cuDNN's kernel choice differs by layout, e.g. "
+                   "TF32 in NHWC where NCHW is exact fp32)")
+
+
+def tf32_may_apply(node: torch.fx.Node) -> bool:
+    """Whether cuDNN may run ``node`` in TF32 (so that turning it off can restore the
+    precision): a CUDA convolution with TF32 allowed, its arguments all positional."""
+    x = node.args[0].meta["val"]
+    return (x.device.type == "cuda" and torch.backends.cudnn.allow_tf32
+            and len(node.args) == 9 and not node.kwargs)
+
+
+def exact_args(args: tuple) -> tuple:
+    """``aten._convolution``'s arguments for ``aten.convolution``'s ``args``: cuDNN's
+    flags as ATen passes them, with TF32 off."""
+    cudnn = torch.backends.cudnn
+    deterministic = cudnn.deterministic or torch.are_deterministic_algorithms_enabled()
+    return tuple(args) + (cudnn.benchmark, deterministic, cudnn.enabled, False)
 
 
 def _note_key(key: tuple, node: torch.fx.Node) -> dict:
@@ -376,10 +426,11 @@ def _write_note(notes: Any, key: dict, value: dict) -> None:
         log.debug("channels-last: could not store a precision verdict: %s", err)
 
 
-def conv_outputs(node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def conv_outputs(node: torch.fx.Node, exact: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(traced-layout, channels-last-input, fp64) results of the convolution ``node`` on
     random inputs with its traced sizes and strides, all returned contiguous (call it
-    outside any fake mode)."""
+    outside any fake mode); ``exact``: the channels-last run with cuDNN's TF32 off."""
     gen: dict[torch.device, torch.Generator] = {}
 
     def real(a: Any) -> Any:
@@ -393,7 +444,8 @@ def conv_outputs(node: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor, torch
     args = [real(a) for a in node.args]
     traced = CONV(*args)
     x_cl = args[0].contiguous(memory_format=torch.channels_last)
-    nhwc = CONV(x_cl, *args[1:])
+    nhwc = (CONV_FLAGGED(*exact_args((x_cl, *args[1:]))) if exact
+            else CONV(x_cl, *args[1:]))
     up = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
     fp64 = CONV(*up)
     return traced.contiguous(), nhwc.contiguous(), fp64.contiguous()
@@ -421,5 +473,6 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
-__all__ = ["AUTO_MIN_POSITIONS", "CONVERSION", "LayoutResult", "auto_declines", "conv_outputs", "convolutions", "ineligible",
+__all__ = ["AUTO_MIN_POSITIONS", "CONVERSION", "CONV_FLAGGED", "LayoutResult", "Verdict",
+           "auto_declines", "conv_outputs", "convolutions", "exact_args", "ineligible",
            "precision_verdicts", "same_layout", "to_channels_last"]

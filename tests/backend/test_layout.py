@@ -25,7 +25,8 @@ def _compile(model, x, **options):
 
 
 def _conv_inputs(gm):
-    return [n.args[0].meta["val"] for n in gm.graph.nodes if n.target is aten.convolution.default]
+    return [n.args[0].meta["val"] for n in gm.graph.nodes
+            if n.target in (aten.convolution.default, aten._convolution.default)]
 
 
 def _check(model_factory, x, train_mode=True, **options):
@@ -211,8 +212,8 @@ def test_a_convolution_less_accurate_channels_last_leaves_the_graph_as_traced(mo
     real = layout.conv_outputs
     calls = []
 
-    def noisier(node):
-        traced, nhwc, fp64 = real(node)
+    def noisier(node, exact=False):
+        traced, nhwc, fp64 = real(node, exact)
         calls.append(node.name)
         return traced, nhwc + 1e-3 * torch.randn_like(nhwc), fp64
 
@@ -230,9 +231,9 @@ def test_precision_verdicts_are_kept_in_the_cache_so_a_warm_start_runs_no_convol
     real = layout.conv_outputs
     runs = []
 
-    def counted(node):
+    def counted(node, exact=False):
         runs.append(node.name)
-        return real(node)
+        return real(node, exact)
 
     monkeypatch.setattr(layout, "conv_outputs", counted)
     example = residual_block
@@ -264,8 +265,8 @@ def test_precision_check_runs_each_distinct_convolution_once_and_passes_exact_on
     real = layout.conv_outputs
     seen = []
 
-    def spy(node):
-        out = real(node)
+    def spy(node, exact=False):
+        out = real(node, exact)
         seen.append((node.name, out))
         return out
 
@@ -336,7 +337,7 @@ def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_n
     def judge(node):
         judged.append(node.name)
         first = len(judged) == 1
-        return ("refused for the test" if first else None), True
+        return layout.Verdict("refused for the test" if first else None)
 
     monkeypatch.setattr(layout, "_judge", judge)
     example = residual_block
@@ -359,3 +360,58 @@ def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_n
                      train_mode=False, channels_last=None)   # eval: auto would apply
     note = next(n for n in backend.records[0].notes if n.startswith("channels-last"))
     assert note == "channels-last off: refused for the test", note
+
+
+def test_a_convolution_exact_only_without_tf32_runs_nhwc_with_tf32_off(monkeypatch):
+    """cuDNN's TF32 NHWC kernel is less accurate than eager's exact NCHW one (the 3->64
+    first convolution of L3 ResNetBasicBlock and RegNet on the H200); with TF32 off it is
+    exact again: the graph runs that convolution NHWC as ``aten._convolution`` with
+    ``allow_tf32=False``, the others as before (simulated on the CPU: noise on the
+    default channels-last result, none on the TF32-off one)."""
+    real = layout.conv_outputs
+    runs = []
+
+    def tf32_noise(node, exact=False):
+        runs.append((node.name, exact))
+        traced, nhwc, fp64 = real(node, exact)
+        first = node.name == runs[0][0]
+        return traced, (nhwc + 1e-3 * torch.randn_like(nhwc) if first and not exact
+                        else nhwc), fp64
+
+    monkeypatch.setattr(layout, "conv_outputs", tf32_noise)
+    monkeypatch.setattr(layout, "tf32_may_apply", lambda node: True)
+    example = conv_bn_relu
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0],
+                     channels_last=None, train_mode=False)
+    (rec,) = backend.records
+    note = next(n for n in rec.notes if n.startswith("channels-last"))
+    assert note.startswith("channels-last: 1 convolution(s) run NHWC (1 with cuDNN's TF32 "
+                           "off"), note
+    assert runs[:2] == [(runs[0][0], False), (runs[0][0], True)], runs
+    (conv,) = [n for n in rec.gm.graph.nodes if n.target is aten._convolution.default]
+    assert conv.args[-1] is False and len(conv.args) == 13
+    assert conv.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
+    assert not [n for n in rec.gm.graph.nodes if n.target is aten.convolution.default]
+
+    # with a bias, the flagged convolution's bias still moves into the epilogue
+    runs.clear()
+    torch._dynamo.reset()
+    backend = _check(lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()),
+                     torch.randn(2, 3, 8, 8), train_mode=False)
+    (rec,) = backend.records
+    assert any("1 convolution bias(es)" in n for n in rec.notes), rec.notes
+    (conv,) = [n for n in rec.gm.graph.nodes if n.target is aten._convolution.default]
+    assert conv.args[2] is None and conv.args[-1] is False
+
+
+def test_exact_args_carry_cudnn_flags_with_tf32_off():
+    args = ("x", "w", None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    flagged = layout.exact_args(args)
+    assert flagged[:9] == args and flagged[-1] is False
+    assert flagged[9:12] == (torch.backends.cudnn.benchmark,
+                             torch.backends.cudnn.deterministic
+                             or torch.are_deterministic_algorithms_enabled(),
+                             torch.backends.cudnn.enabled)
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    torch.testing.assert_close(layout.CONV_FLAGGED(*layout.exact_args((x, w) + args[2:])),
+                               aten.convolution.default(x, w, *args[2:]))
