@@ -243,6 +243,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
                               reason="view returned as a graph output (no data moves)"))
 
     _defer_epilogues(gm, regions)
+    _merge_input_only(regions)
     plan = _finish(gm, regions, graph_name)
     check_plan(gm, plan)
     return plan
@@ -286,6 +287,53 @@ def _defer_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
         regions[j].nodes += epi
         for n in epi:
             owner[n] = j
+
+
+# Regions merged into one kernel by _merge_input_only, at most (two pointers each).
+MERGE_LIMIT = 64
+
+
+def _merge_input_only(regions: list[_Open]) -> None:
+    """Merge the pointwise regions that read only graph inputs and that only the graph
+    returns, of one shape and device, into the first of them (up to MERGE_LIMIT each).
+
+    A training BatchNorm's ``num_batches_tracked + 1`` is such a region: one launch of a
+    one-element kernel per BatchNorm (52 in MobileNetV2) where one kernel can do them all.
+    Nothing reads their values before the graph returns, and all they read exists when
+    the graph starts, so the merged region may run where the first one ran."""
+    first: dict[tuple, _Open] = {}
+    merged: dict[int, int] = {}
+    keep = []
+    for region in regions:
+        key = _input_only_key(region)
+        host = first.get(key) if key is not None else None
+        if host is not None and merged.get(id(host), 1) < MERGE_LIMIT:
+            host.nodes += region.nodes
+            merged[id(host)] = merged.get(id(host), 1) + 1
+            continue
+        if key is not None:
+            first[key] = region
+        keep.append(region)
+    regions[:] = keep
+
+
+def _input_only_key(region: _Open) -> tuple | None:
+    """(shape, device) of a region ``_merge_input_only`` may merge, else None."""
+    if region.kind is not RegionKind.FUSED or not region.nodes:
+        return None
+    members = set(region.nodes)
+    shapes = set()
+    for node in region.nodes:
+        val = node.meta.get("val")
+        if classify(node) is not OpClass.POINTWISE or not isinstance(val, torch.Tensor):
+            return None
+        if any(a not in members and a.op not in ("placeholder", "get_attr")
+               for a in node.all_input_nodes):
+            return None
+        if any(u not in members and u.op != "output" for u in node.users):
+            return None
+        shapes.add((str(tuple(val.shape)), str(val.device)))
+    return shapes.pop() if len(shapes) == 1 else None
 
 
 def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:

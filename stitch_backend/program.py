@@ -134,15 +134,20 @@ class Program:
             call_args[0].clear()
         else:
             inputs = list(call_args)
-        targets = [inputs[w.input_index] for w in self.writebacks]
+
+        # the inputs the graph mutates: worked out only where this call needs them (the
+        # settled replay path writes back its mutations itself)
+        def targets() -> list[Any]:
+            return [inputs[w.input_index] for w in self.writebacks]
+
         if self.seen_targets is not None:
-            self.seen_targets.extend(targets)
+            self.seen_targets.extend(targets())
         if self.pending and self._verify is not None:
-            return self.finish_call(self._verify_or_aten(inputs), targets)
+            return self.finish_call(self._verify_or_aten(inputs), targets())
         if self.recheck_shapes and self._verify is not None:
             key = _shape_key(inputs)
             if key not in self.verified_shapes:
-                return self.finish_call(self._reverify(inputs, key), targets)
+                return self.finish_call(self._reverify(inputs, key), targets())
         if self.replay is not None:
             from .cudagraphs import NotCaptured
 
@@ -150,14 +155,15 @@ class Program:
                 return self.replay(inputs)  # writes back the mutations itself
             except NotCaptured:
                 pass
+        mutated = targets()
         straight = self._straight() if STRAIGHT_LINE else None
         if straight is not None:
             self.calls += 1
-            return self.finish_call(straight(inputs), targets)  # boxed: clears ``inputs``
+            return self.finish_call(straight(inputs), mutated)  # boxed: clears ``inputs``
         slots: list[Any] = [None] * self.num_slots
         slots[: self.num_inputs] = inputs
         inputs.clear()
-        return self.finish_call(self.run(slots), targets)
+        return self.finish_call(self.run(slots), mutated)
 
     def _straight(self) -> Callable[[list[Any]], Any] | None:
         """The Program as one generated Python function: ATen regions inlined as their

@@ -141,3 +141,29 @@ def test_partition_direct_on_fx_graph():
     kinds = [r.kind for r in plan.regions]
     assert kinds[0] is RegionKind.GEMM
     assert plan.node_count == sum(len(r.nodes) for r in plan.regions)
+
+
+def test_regions_that_read_only_inputs_and_only_the_graph_returns_merge():
+    """Each training BatchNorm's ``num_batches_tracked + 1`` was a one-element region of
+    its own (52 launches in MobileNetV2); such regions of one shape and device merge into
+    one region (one kernel): the three counters and ``s * 2`` (0-d, reads an input, only
+    returned). ``(s + 1).exp() + x.mean()`` reads an intermediate and stays apart."""
+    convs = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
+    norms = torch.nn.ModuleList(torch.nn.BatchNorm2d(4) for _ in range(3))
+
+    def fn(x, s):
+        for conv, norm in zip(convs, norms):
+            x = torch.relu(norm(conv(x)))
+        return x, s * 2.0, (s + 1.0).exp() + x.mean()
+
+    (rec,) = _records(fn, torch.randn(2, 4, 6, 6), torch.randn(()))
+    check_plan(rec.gm, rec.plan)
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    merged = [r for r in rec.plan.regions if r.kind is RegionKind.FUSED
+              and r.ops.count("aten.add.Tensor") >= 3]
+    assert len(merged) == 1, [r.ops for r in rec.plan.regions]
+    assert sorted(merged[0].ops) == ["aten.add.Tensor"] * 3 + ["aten.mul.Tensor"]
+    assert all(nodes[i].op == "placeholder" for i in merged[0].inputs)
+    assert sorted(str(nodes[n].meta["val"].dtype) for n in merged[0].nodes) == [
+        "torch.float32"] + ["torch.int64"] * 3
+    assert not any("aten.exp.default" in r.ops for r in merged)

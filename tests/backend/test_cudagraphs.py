@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -221,3 +222,37 @@ def test_a_program_runs_on_aten_alone_when_asked_and_can_give_up_its_kernels():
     assert program.steps[0].region.reason == "measured slower in context"
     assert program.notes_sink == ["every region on ATen: measured slower in context"]
     torch.testing.assert_close(program.run_inputs([x])[0], torch.sin(x) * 2.0)
+
+
+def _moved_check(device):
+    """GraphReplay._params_moved over inputs on ``device``: static inputs 0 and 2."""
+    from stitch_backend.cudagraphs import GraphReplay
+
+    replay = GraphReplay(program=None, static_indices={2, 0})
+    inputs = [torch.zeros(3, device=device), torch.zeros(2, device=device), 7,
+              torch.ones(4, device=device)]
+    inputs[2] = torch.ones(5, device=device)
+    replay.captured_ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None
+                            for x in inputs]
+    assert not replay._params_moved(inputs)
+    moved = list(inputs)
+    moved[1] = torch.zeros(2, device=device)         # not static: a copy-in, not a move
+    assert not replay._params_moved(moved)
+    moved[2] = torch.ones(5, device=device)          # a parameter now lives elsewhere
+    assert replay._params_moved(moved)
+
+
+def test_a_parameter_that_moved_is_seen(monkeypatch):
+    from stitch_backend import cudagraphs
+
+    monkeypatch.setattr(cudagraphs, "_PTRS_EQUAL", None)    # the Python loop
+    _moved_check("cpu")
+
+
+@pytest.mark.gpu
+def test_a_parameter_that_moved_is_seen_by_torchs_pointer_check():
+    """The C++ check of torch's CUDA builds, with the arguments this module passes."""
+    from stitch_backend import cudagraphs
+
+    assert cudagraphs._PTRS_EQUAL is not None
+    _moved_check("cuda")

@@ -170,3 +170,27 @@ def test_a_cpu_scalar_constant_runs_inside_a_generated_kernel():
     regions = [r for rec in backend.records for r in rec.plan.regions if r.ops]
     assert any("aten.minimum.default" in r.ops for r in regions)
     assert all(r.backend == "kernel" for r in regions), [r.reason for r in regions]
+
+
+def test_a_parameter_given_new_storage_is_read_from_there(monkeypatch):
+    """``param.data = ...`` keeps the Parameter (Dynamo's guards pass) but moves its
+    memory: the replay must not read the old storage (it recaptures)."""
+    from stitch_backend import cudagraphs
+
+    monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn, runs=5: (fn(), 1.0)[1])
+    torch.manual_seed(0)
+    model = zoo()["mlp"][0]().cuda().eval()
+    backend = StitchBackend(options={"cache": False})
+    compiled = torch.compile(model, backend=backend)
+    x = zoo()["mlp"][1](2)[0].cuda()
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+        param = next(model.parameters())
+        param.data = param.data * 2.0 + 0.5
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+    (rec,) = backend.records
+    assert any(n.startswith("CUDA graph replay on") for n in rec.notes), rec.notes
+    assert not any("replay off" in n for n in rec.notes), rec.notes
+    assert rec.program.replay.captures == 2

@@ -141,6 +141,10 @@ POINTWISE = [
     _c("pw_views", lambda a: (a.view(2, 3, 40).permute(2, 0, 1).reshape(40, 6).t() * 2).unsqueeze(0)
        .squeeze(0), X),
     _c("pw_slice_select", lambda a: a[:, 2:30:3] * 2 + a[1, 2:12].unsqueeze(0)[:, ::1][:, :1], X),
+    # BatchNorms' num_batches_tracked + 1, merged into one region by the Planner
+    _c("pw_scalar_counters", lambda *c: tuple(x + 1 for x in c), *([T((), i64, "int:0:100")] * 6)),
+    _c("pw_scalar_mixed_dtypes", lambda a, b, c: (a + 1, b * 2.0, c + 1),
+       T((), i64, "int:0:100"), T(()), T((), i32, "int:0:100")),
     _c("pw_multi_output", lambda a, b: (a + b, (a * b).sum(0, keepdim=True) * 0 + b[0], a.relu()), X, X),
     _c("pw_output_broadcast_smaller", lambda a, b: (a + b, b * 2), X, T((40,))),
     _c("pw_transpose_output", lambda a: (a * 2).t().contiguous(), X),
