@@ -24,6 +24,41 @@ from .worker import TaskConfig, build_model, draw_inputs
 WARM_CALLS = 12
 
 
+TIMED_CALLS = 20
+
+
+def host_and_wall_ms(fn, device: str = "cuda") -> tuple[float, float, float]:
+    """Medians over TIMED_CALLS calls of ``fn``, each from an idle GPU: milliseconds
+    until the call returns on the host (its launch and wrapper overhead, where the GPU
+    keeps up), until the GPU finishes, and until it finishes after an L2 flush (on
+    the CPU: the same call three ways, a testing aid)."""
+    import statistics
+    import time
+
+    from .timing import L2Flusher
+
+    cuda = device == "cuda"
+    flush = L2Flusher(torch.device(device)) if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    host, wall, cold = [], [], []
+    for flushed in (False, True):
+        for _ in range(TIMED_CALLS):
+            if flushed:
+                flush()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            if flushed:
+                cold.append((t2 - t0) * 1e3)
+            else:
+                host.append((t1 - t0) * 1e3)
+                wall.append((t2 - t0) * 1e3)
+    return statistics.median(host), statistics.median(wall), statistics.median(cold)
+
+
 def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool = False) -> str:
     """The kernel table of one profiled call of ``problem`` under backend ``name``; with
     ``report``, then the stitchcuda report of the graphs that call compiled."""
@@ -45,6 +80,7 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool 
         for _ in range(WARM_CALLS if name.startswith("stitchcuda") else 3):
             compiled.fn(*inputs)
         torch.cuda.synchronize()
+        host, wall, cold = host_and_wall_ms(lambda: compiled.fn(*inputs))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             compiled.fn(*inputs)
             torch.cuda.synchronize()
@@ -53,6 +89,9 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool 
     total = sum(e.self_device_time_total for e in events)
     lines = [f"## {name}: {total / 1e3:.3f} ms of kernels in one call, "
              f"{sum(e.count for e in events)} launches",
+             "", f"one call, median of {TIMED_CALLS}: {host:.3f} ms on the host until it "
+             f"returns, {wall:.3f} ms until the GPU finishes, {cold:.3f} ms from a cold L2 "
+             "(the bench's condition)",
              "", "| kernel | calls | ms | share |", "|---|---|---|---|"]
     for e in events[:top]:
         lines.append(f"| {e.key[:90]} | {e.count} | {e.self_device_time_total / 1e3:.3f} | "

@@ -47,3 +47,12 @@ def test_options_reach_the_backend():
 def test_profile_needs_a_gpu(capsys):
     assert profile_main(["x.py"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_profile_splits_a_call_into_host_and_wall_time():
+    import time
+
+    from stitch_backend.bench.profile import host_and_wall_ms
+
+    host, wall, cold = host_and_wall_ms(lambda: time.sleep(0.002), device="cpu")
+    assert 2.0 <= host <= wall and cold >= 2.0
