@@ -315,10 +315,14 @@ def _straight_line(gm: torch.fx.GraphModule, steps: Sequence[Step]) -> Callable[
             env[nodes[name]] = graph.call_function(operator.getitem, (call, i))
     copy(next(n for n in gm.graph.nodes if n.op == "output"))
     graph.lint()  # every value defined before its use
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            node.target = _direct(node.target)
     boxed = getattr(torch.fx.graph, "_BoxedCodeGen", None)
     if boxed is not None:
         graph.set_codegen(boxed())
     module = torch.fx.GraphModule(gm, graph)
+    _unwrap_direct(type(module).forward)
     if boxed is not None:
         return module.forward
 
@@ -328,6 +332,35 @@ def _straight_line(gm: torch.fx.GraphModule, steps: Sequence[Step]) -> Callable[
         return module.forward(*args)
 
     return unboxed
+
+
+class _Direct:
+    """Stands for an ATen overload in the straight-line function's graph; its C++ entry
+    (``OpOverload._op``) then replaces it in the generated code's globals, so each op is
+    called without ``OpOverload.__call__``'s Python frame (~0.3 us of host time an op,
+    measured on the CPU; a training step of a 30-block MLP runs ~1250 ops)."""
+
+    __module__ = __name__
+
+    def __init__(self, op: torch._ops.OpOverload):
+        self.op = op
+        self.__name__ = "aten_" + str(op).replace("aten.", "").replace(".", "_")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.op(*args, **kwargs)
+
+
+def _direct(op: torch._ops.OpOverload) -> Any:
+    return _Direct(op) if callable(getattr(op, "_op", None)) else op
+
+
+def _unwrap_direct(forward: Callable[..., Any]) -> None:
+    """In ``forward``'s globals (FX puts each call target there), every ``_Direct`` by
+    its overload's C++ entry; where FX keeps them elsewhere, they stay and still work."""
+    names = getattr(forward, "__globals__", {})
+    for key, value in list(names.items()):
+        if isinstance(value, _Direct):
+            names[key] = value.op._op
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
