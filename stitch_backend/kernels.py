@@ -80,6 +80,11 @@ class StagedRunner:
     def __init__(self, candidate: Any, steps: list[tuple[Any, Any]]):
         self.candidate = candidate
         self.steps = steps  # (stage region, callable)
+        # the values each stage reads last (not the region's outputs): dropped after it
+        keep = set(candidate.region_outputs)
+        last = {n: i for i, (region, _) in enumerate(steps) for n in region.inputs}
+        self._dead_after = [[n for n, j in last.items() if j == i and n not in keep]
+                            for i in range(len(steps))]
 
     def poisoning(self) -> "StagedRunner":
         return StagedRunner(self.candidate, [
@@ -87,9 +92,19 @@ class StagedRunner:
             for region, fn in self.steps])
 
     def __call__(self, *inputs: Any) -> list[Any]:
-        env = dict(zip(self.candidate.region_inputs, inputs))
-        for region, fn in self.steps:
+        return self.call_boxed(list(inputs))
+
+    def call_boxed(self, box: list[Any]) -> list[Any]:
+        """The region on the inputs in ``box``, which it empties: a value is released
+        after the last stage that reads it, so where the caller holds no other reference
+        (the Program's straight-line function passes a box), a convolution's input is
+        freed before its epilogue allocates the output (L2 31: 512 MiB of the peak)."""
+        env = dict(zip(self.candidate.region_inputs, box))
+        box.clear()
+        for (region, fn), dead in zip(self.steps, self._dead_after):
             env.update(zip(region.outputs, fn(*[env[n] for n in region.inputs])))
+            for n in dead:
+                env.pop(n, None)
         return [env[n] for n in self.candidate.region_outputs]
 
 

@@ -309,8 +309,15 @@ def _straight_line(gm: torch.fx.GraphModule, steps: Sequence[Step]) -> Callable[
             for name in step.region.nodes:
                 copy(nodes[name])
             continue
-        call = graph.call_function(_named(step.fn, f"region_{step.region.id}"),
-                                   tuple(env[nodes[x]] for x in step.region.inputs))
+        args = tuple(env[nodes[x]] for x in step.region.inputs)
+        boxed_call = getattr(step.fn, "call_boxed", None)
+        if boxed_call is not None:
+            # the inputs go in a list the step empties: FX drops this function's own
+            # references after the packing, so a value the step reads last can be freed
+            # inside it (a convolution's input before its epilogue's output exists)
+            args = (graph.call_function(_box, args),)
+        call = graph.call_function(_named(boxed_call or step.fn, f"region_{step.region.id}"),
+                                   args)
         for i, name in enumerate(step.region.outputs):
             env[nodes[name]] = graph.call_function(operator.getitem, (call, i))
     copy(next(n for n in gm.graph.nodes if n.op == "output"))
@@ -361,6 +368,10 @@ def _unwrap_direct(forward: Callable[..., Any]) -> None:
     for key, value in list(names.items()):
         if isinstance(value, _Direct):
             names[key] = value.op._op
+
+
+def _box(*values: Any) -> list[Any]:
+    return list(values)
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

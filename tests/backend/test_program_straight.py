@@ -122,3 +122,46 @@ def test_aten_ops_are_called_through_their_cpp_entry():
     want.sum().backward()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, 2 * p.grad)   # two compiled steps accumulated
+
+
+def test_a_staged_region_frees_an_input_after_the_last_stage_that_reads_it():
+    """``h`` is read only by the convolution, the first stage of its region: by the time
+    the epilogue kernel runs (and allocates the region's output), nothing holds ``h``
+    (the straight-line function passes the region its inputs in a box it empties)."""
+    import weakref
+
+    from stitch_backend.kernels import StagedRunner
+
+    class ConvNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 6, 3, padding=1)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x * 2.0 + 1.0)) * 0.5
+
+    torch.manual_seed(0)
+    model = ConvNet()
+    backend = StitchBackend(options={**OPTIONS, "cache": False})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), model(x))
+        program = backend.records[0].program
+        (staged,) = [s.fn for s in program.steps if isinstance(s.fn, StagedRunner)]
+        assert len(staged.steps) >= 2
+        seen = {}
+        (r0, first), (r1, second) = staged.steps[0], staged.steps[1]
+
+        def conv_stage(*args):
+            seen["h"] = weakref.ref(args[0])
+            return first(*args)
+
+        def epilogue_stage(*args):
+            seen["h alive at the epilogue"] = seen["h"]() is not None
+            return second(*args)
+
+        staged.steps[0], staged.steps[1] = (r0, conv_stage), (r1, epilogue_stage)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert seen["h alive at the epilogue"] is False
