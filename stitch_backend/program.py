@@ -259,12 +259,21 @@ class Program:
             slots[s] = value
         for step in self.steps:
             step_inputs = [slots[s] for s in step.inputs]
-            outs = (step.aten if on_aten else step.fn)(*step_inputs)
+            fn = step.aten if on_aten else step.fn
+            boxed = getattr(fn, "call_boxed", None) if observe is None else None
+            if boxed is not None:
+                # as in the straight-line function: the step may free what it read last
+                for s in step.free_after:
+                    if s in step.inputs:
+                        slots[s] = None
+                outs = boxed(step_inputs)
+            else:
+                outs = fn(*step_inputs)
             if observe is not None:
                 observe(step, step_inputs, outs)
             for s, v in zip(step.outputs, outs):
                 slots[s] = v
-            del step_inputs
+            step_inputs = outs = v = None     # the slots alone hold values between steps
             for s in step.free_after:
                 slots[s] = None
         self.calls += 1

@@ -4,6 +4,7 @@ changes, with the step loop as the fallback."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stitch_backend import program as program_mod
@@ -124,11 +125,16 @@ def test_aten_ops_are_called_through_their_cpp_entry():
         torch.testing.assert_close(g, 2 * p.grad)   # two compiled steps accumulated
 
 
-def test_a_staged_region_frees_an_input_after_the_last_stage_that_reads_it():
+@pytest.mark.parametrize("straight", [True, False], ids=["straight_line", "step_loop"])
+def test_a_staged_region_frees_an_input_after_the_last_stage_that_reads_it(monkeypatch,
+                                                                           straight):
     """``h`` is read only by the convolution, the first stage of its region: by the time
     the epilogue kernel runs (and allocates the region's output), nothing holds ``h``
-    (the straight-line function passes the region its inputs in a box it empties)."""
+    (the straight-line function and the step loop pass the region its inputs in a box
+    it empties)."""
     import weakref
+
+    monkeypatch.setattr(program_mod, "STRAIGHT_LINE", straight)
 
     from stitch_backend.kernels import StagedRunner
 
