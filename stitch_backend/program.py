@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from .ir import Plan, Region
-from .mutations import Writeback, split_outputs, write_back
+from .mutations import WriteBack, Writeback, split_outputs
 from .regions import region_module
 
 log = logging.getLogger("stitch_backend.program")
@@ -72,6 +72,7 @@ class Program:
         # Input mutations taken out of the graph (mutations.py): the graph returns the new
         # values after its own outputs and each call writes them back.
         self.writebacks: list[Writeback] = []
+        self._write_back = WriteBack()    # their copies, grouped once for these targets
         self.calls = 0
         # When a list: each call appends the inputs it mutates (the eager guard saves
         # and restores them around its timing runs).
@@ -193,7 +194,7 @@ class Program:
         if not self.writebacks:
             return outputs
         own, values = split_outputs(outputs, self.writebacks)
-        write_back(targets, values)
+        self._write_back(targets, values)
         return own
 
     def _reverify(self, inputs: list[Any], key: tuple) -> Any:

@@ -125,6 +125,28 @@ def test_write_back_groups_by_dtype(monkeypatch):
     assert mean.tolist() == [2.0] * 3 and var.tolist() == [3.0] * 3 and steps.item() == 7
 
 
+def test_a_programs_write_back_plans_once_for_the_same_targets(monkeypatch):
+    """``WriteBack`` groups the pairs on its first call and reuses that for the same
+    target tensors (the same copies as ``write_back``); other targets are planned anew,
+    and a value that is a target keeps the one-by-one order."""
+    from stitch_backend import mutations
+
+    plans = []
+    real = mutations._groups
+    monkeypatch.setattr(mutations, "_groups", lambda t, v: (plans.append(len(t)), real(t, v))[1])
+    wb = mutations.WriteBack()
+    mean, var, steps = torch.zeros(3), torch.ones(3), torch.zeros((), dtype=torch.int64)
+    for k in range(3):
+        wb([mean, steps, var], [torch.full((3,), 2.0 + k), torch.tensor(7 + k),
+                                torch.full((3,), 3.0 + k)])
+        assert mean.tolist() == [2.0 + k] * 3 and var.tolist() == [3.0 + k] * 3
+        assert steps.item() == 7 + k
+    assert plans == [3]
+    a, b = torch.tensor([1.0]), torch.tensor([2.0])
+    wb([a, b], [b, torch.tensor([5.0])])
+    assert plans == [3, 2] and a.item() == 2.0 and b.item() == 5.0
+
+
 class _Counting(torch.nn.Module):
     """A BatchNorm in training mode (running statistics, a step counter) and an in-place
     update of a user input."""
