@@ -264,9 +264,9 @@ class Program:
             boxed = getattr(fn, "call_boxed", None) if observe is None else None
             if boxed is not None:
                 # as in the straight-line function: the step may free what it read last
+                # (``free_after`` holds only this step's inputs, see ``_plan_frees``)
                 for s in step.free_after:
-                    if s in step.inputs:
-                        slots[s] = None
+                    slots[s] = None
                 outs = boxed(step_inputs)
             else:
                 outs = fn(*step_inputs)

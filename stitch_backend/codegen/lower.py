@@ -370,13 +370,12 @@ def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
     constants = set()
     # A constant is inlined where the region has other tensor inputs (they place the
     # outputs); a CPU scalar beside CUDA tensors then costs the kernel nothing.
-    devices = {str(_meta(n).device) for n in placeholders
-               if CONSTANT not in n.meta and isinstance(_meta(n), torch.Tensor)}
+    others = any(CONSTANT not in n.meta and isinstance(_meta(n), torch.Tensor)
+                 for n in placeholders)
     for pos, node in enumerate(placeholders):
         val = _meta(node)
         const = node.meta.get(CONSTANT)
-        if (isinstance(const, torch.Tensor) and const.dtype in STORAGE_TYPES
-                and devices):
+        if isinstance(const, torch.Tensor) and const.dtype in STORAGE_TYPES and others:
             ctx.env[node] = _const_lt(const)    # a literal: the kernel never reads it
             constants.add(node)
             continue
