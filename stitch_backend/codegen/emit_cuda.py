@@ -39,6 +39,7 @@ class Emitted:
     idx64: bool
     workspaces: tuple[tuple[str, torch.dtype], ...]  # (name, dtype) of per-row outer buffers
     arg_names: tuple[str, ...]
+    max_threads: int = 1024   # its __launch_bounds__: the launch never exceeds it
 
 
 def _fits_int32(ir: KernelIR) -> bool:
@@ -300,15 +301,24 @@ def _pointwise_body(k: _Kernel, ir, vars_, vec, vloads, vstores, ind, root) -> l
     return lines
 
 
-def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind):
+def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=None):
     """One VEC-wide chunk along ``var``: vector loads, ``body(inner)`` for each of the
     VEC elements (it fills the ``vstores`` lanes through ``_store_lane``), vector stores.
-    Both templates use it."""
+    Both templates use it. ``cached`` (the reduction template's persistent rows): load
+    name -> "fill" (load, and keep in the register array ``c_NAME[j]``) or "use" (read
+    ``c_NAME[j]``, loaded by an earlier pass over the row)."""
     b0 = sympy.Symbol(f"{var}_0")
+    cached = cached or {}
     for load, name in vloads.items():
+        vt = f"sfk_vec<{k.ptr[load.buf]}, {vec}>"
+        if cached.get(name) == "use":
+            scope.lines.append(f"{ind}const {vt} {name} = c_{name}[j];")
+            continue
         off = em.index(load.offset.xreplace({var: b0}), scope)
-        scope.lines.append(f"{ind}const sfk_vec<{k.ptr[load.buf]}, {vec}> {name} = "
-                           f"sfk_ldv<{vec}>({load.buf} + {off});")
+        value = f"sfk_ldv<{vec}>({load.buf} + {off})"
+        if cached.get(name) == "fill":
+            value = f"(c_{name}[j] = {value})"
+        scope.lines.append(f"{ind}const {vt} {name} = {value};")
     for st, name in vstores.items():
         scope.lines.append(f"{ind}sfk_vec<{k.ptr[k.out_names[st.out]]}, {vec}> {name};")
     inner = Scope(scope, {var, sympy.Symbol("v")}, ind + "  ")

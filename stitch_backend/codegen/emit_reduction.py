@@ -86,6 +86,58 @@ def _layout(ir: KernelIR) -> str:
     return "inner"
 
 
+# Persistent rows: where a row is read by more than one pass (softmax: its maximum, its
+# sum of exponentials, its output; layer_norm: statistics, output), the vector path
+# keeps each thread's chunks of the loads later passes read in registers, so the row
+# is read from memory once. Only for rows of a static length that PERSIST_THREADS
+# threads cover in PERSIST_CHUNKS chunks each (launch_shape gives a row ~4 a thread);
+# such a kernel is bounded to PERSIST_THREADS threads a block, so that its registers
+# are not capped at 64 (at 1024 threads, the cached softmax of L3 MiniGPT spilled), and
+# caches at most PERSIST_REGS 32-bit registers of values a thread. Other rows take the
+# streaming passes as before.
+PERSIST_CHUNKS = 4
+PERSIST_THREADS = 256
+PERSIST_REGS = 64
+_BYTES = {"double": 8, "long long": 8, "float": 4, "int": 4, "__half": 2,
+          "__nv_bfloat16": 2, "short": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
+
+
+def _persistent_passes(k: _Kernel, ir: KernelIR, vec: int, vloads: dict,
+                       phases: list[int], elem_stores: list) -> list[dict[str, str]] | None:
+    """For each pass over a row (the reduction phases, then the element stores), which
+    vector loads it fills into registers ("fill") or reads from them ("use"); None
+    where no load is read by two passes, the row's length is not static or is too
+    long, or the cached chunks would not fit."""
+    length = sympy.Integer(1)
+    for e in ir.domain.red_extents:
+        length *= sympy.sympify(e)
+    if not length.is_Integer or int(length) > PERSIST_THREADS * vec * PERSIST_CHUNKS:
+        return None
+    used: list[set] = []
+    for p in phases:
+        used.append({n for r in ir.inner_reductions if r.phase == p
+                     for n in walk([r.body]) if isinstance(n, Load) and n in vloads})
+    if elem_stores:
+        used.append({n for st in elem_stores for n in walk([st.value])
+                     if isinstance(n, Load) and n in vloads})
+    again = {ld for i, u in enumerate(used) for ld in u
+             if any(ld in later for later in used[i + 1:])}
+    if not again:
+        return None
+    regs = sum(max(1, vec * _BYTES.get(k.ptr[ld.buf], 8) // 4) for ld in again) * PERSIST_CHUNKS
+    if regs > PERSIST_REGS:
+        return None
+    plan: list[dict[str, str]] = []
+    filled: set = set()
+    for u in used:
+        modes = {}
+        for ld in u & again:
+            modes[vloads[ld]] = "use" if ld in filled else "fill"
+            filled.add(ld)
+        plan.append(modes)
+    return plan
+
+
 def emit_reduction(ir: KernelIR) -> Emitted:
     k = _Kernel(ir)
     d = ir.domain
@@ -114,7 +166,12 @@ def emit_reduction(ir: KernelIR) -> Emitted:
     L += k.header(f"row reduction, {layout} layout, chunks of {vec}"
                   + (", vector path" if vloads or vstores else "")
                   + (", cross-row reduction in the last block" if outer else ""))
-    L.append(f'extern "C" __global__ void __launch_bounds__(1024) {ir.name}(')
+    em = ExprEmitter(k, ir)
+    phases = sorted({r.phase for r in ir.inner_reductions})
+    persist = _persistent_passes(k, ir, vec, vloads, phases, elem_stores) if (
+        vloads and layout == "inner") else None
+    max_threads = PERSIST_THREADS if persist else 1024
+    L.append(f'extern "C" __global__ void __launch_bounds__({max_threads}) {ir.name}(')
     L.append("    " + ",\n    ".join(params) + ") {")
     # sfk_group_reduce stages one accumulator per thread (up to 1024): sized for the
     # widest one here, not for the widest of all (16 KB of static shared memory cost
@@ -147,9 +204,14 @@ def emit_reduction(ir: KernelIR) -> Emitted:
     if has_vec:
         extra = f" && (Kr % {vec} == 0)" if d.red_limit is not None else ""
         row.pre.append(f"    const bool vec_row = vec_ok{extra};")
-    em = ExprEmitter(k, ir)
     inner_flag = "true" if layout == "inner" else "false"
-    phases = sorted({r.phase for r in ir.inner_reductions})
+    if persist:
+        row.pre.append(f"    const bool persist_row = vec_row && Kr <= ({IDX})TK * "
+                       f"{vec * PERSIST_CHUNKS};")
+        for ld, name in vloads.items():
+            if any(name in modes for modes in persist):
+                row.pre.append(f"    sfk_vec<{k.ptr[ld.buf]}, {vec}> c_{name}[{PERSIST_CHUNKS}];")
+    passes = iter(persist or [])
     for p in phases:
         reds = [r for r in ir.inner_reductions if r.phase == p]
         for r in reds:
@@ -163,7 +225,8 @@ def emit_reduction(ir: KernelIR) -> Emitted:
                     idx = em.index(r.index, scope)
                     val = f"sfk_argpair<{ct}>{{{val}, (long long)({idx})}}"
                 scope.lines.append(f"{scope.ind}acc{r.rid} = {_op_functor(r, ct)}(acc{r.rid}, {val});")
-        _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [])
+        _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
+                 next(passes, None))
         for r in reds:
             ct = compute_ctype(r.dtype)
             row.lines.append(f"    acc{r.rid} = sfk_group_reduce(acc{r.rid}, {_op_functor(r, ct)}, "
@@ -175,7 +238,8 @@ def emit_reduction(ir: KernelIR) -> Emitted:
     if elem_stores:
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, vstores if has_vec else {}, conds,
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
-                                (vstores if scope.vector else {})], has_vec, elem_stores)
+                                (vstores if scope.vector else {})], has_vec, elem_stores,
+                 next(passes, None))
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -185,25 +249,39 @@ def emit_reduction(ir: KernelIR) -> Emitted:
         L += _outer_stage(k, ir, em)
     L.append("}")
     return Emitted("\n".join(L) + "\n", ir.name, sig, "reduction", layout, vec, k.idx64,
-                   workspaces, names)
+                   workspaces, names, max_threads)
 
 
-def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores):
-    """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants.
+def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None):
+    """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
+    with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
+    variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
+    arrays of cached loads are indexed by constants.
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
     IDX = k.IDX
-    variants = [True, False] if has_vec else [False]
+    variants = ([None] if cached is not None else []) + ([True, False] if has_vec else [False])
     text: list[str] = []
     for vector in variants:
+        persistent = vector is None
+        vector = vector is not False
         ind = "      " if has_vec else "    "
-        if has_vec:
-            text.append("    if (vec_row) {" if vector else "    } else {")
-        # unrolled so that several chunks' loads are in flight before the first is used
-        text.append(f"{ind}#pragma unroll 4")
-        text.append(f"{ind}for ({IDX} k0 = ({IDX})tk * {vec}; k0 < Kr; k0 += ({IDX})TK * {vec}) {{")
-        chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
+        if persistent:
+            text.append("    if (persist_row) {")
+            text.append(f"{ind}#pragma unroll")
+            text.append(f"{ind}for (int j = 0; j < {PERSIST_CHUNKS}; ++j) {{")
+            text.append(f"{ind}  const {IDX} k0 = (({IDX})tk + ({IDX})j * TK) * {vec};")
+            text.append(f"{ind}  if (k0 < Kr) {{")
+            chunk = Scope(row, {sympy.Symbol("k0"), sympy.Symbol("j")}, ind + "    ")
+        else:
+            if has_vec:
+                opening = "    } else if (vec_row) {" if cached is not None else "    if (vec_row) {"
+                text.append(opening if vector else "    } else {")
+            # unrolled so that several chunks' loads are in flight before the first is used
+            text.append(f"{ind}#pragma unroll 4")
+            text.append(f"{ind}for ({IDX} k0 = ({IDX})tk * {vec}; k0 < Kr; k0 += ({IDX})TK * {vec}) {{")
+            chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
         var = d.red_vars[-1] if d.red_vars else None
         if vector:
@@ -216,7 +294,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores):
                 body(inner)
                 for st, name in vstores.items():
                     _store_lane(k, em, inner, st, name)
-            _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, ind + "  ")
+            _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind,
+                          cached if persistent else None)
         else:
             cind = ind + "  "
             if vec > 1:
@@ -233,6 +312,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores):
                 body(el)
                 chunk.lines += el.render()
         text += chunk.render()
+        if persistent:
+            text.append(f"{ind}  }}")
         text.append(f"{ind}}}")
     if has_vec:
         text.append("    }")

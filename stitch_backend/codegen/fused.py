@@ -167,7 +167,7 @@ class FusedKernel:
             return max(blocks, 1), threads, 0
         if em.layout == "inner":
             chunks = _cdiv(reduce_len, em.vec)
-            tk = min(MAX_THREADS, _pow2_at_least(max(1, _cdiv(chunks, 4))))
+            tk = min(MAX_THREADS, em.max_threads, _pow2_at_least(max(1, _cdiv(chunks, 4))))
             threads = max(tk, 128)
             rb = threads // tk
         else:

@@ -89,3 +89,24 @@ def test_reduction_shared_memory_fits_its_widest_accumulator():
         if case.name in want:
             source = generate(case.trace(), case.name).source
             assert f"sfk_smem[{want[case.name]}]" in source, case.name
+
+
+def test_rows_read_by_several_passes_are_read_once_into_registers():
+    """Softmax reads its row for the maximum, the sum and the output: with a static row
+    that 256 threads cover in 4 chunks each, the first pass keeps the loaded chunks in
+    registers and the later ones read them there (the kernel bounded to 256 threads a
+    block, and launched so); a longer row, or a single pass, streams as before."""
+    by_name = {c.name: c for c in CASES + BIG}
+    k = generate(by_name["big_softmax"].trace(), "big_softmax")
+    src = k.source
+    assert "__launch_bounds__(256)" in src and k.emitted.max_threads == 256
+    assert src.count("(c_vin0_0[j] = sfk_ldv<4>(") == 1      # filled by the max pass
+    assert src.count("= c_vin0_0[j];") == 2                 # the sum and store passes
+    assert "} else if (vec_row) {" in src                   # the streaming path stays
+    blocks, threads, log2_tk = k.launch_shape(512, 4096)
+    assert threads <= 256 and 4096 // 4 <= 4 * (1 << log2_tk)
+
+    for name in ("big_softmax_long", "red_sum_last"):
+        other = generate(by_name[name].trace(), name)
+        assert "persist_row" not in other.source, name
+        assert "__launch_bounds__(1024)" in other.source and other.emitted.max_threads == 1024
