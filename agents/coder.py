@@ -72,6 +72,8 @@ class TemplateCoder:
             if subtask.kind == "gemm":
                 library = self._lt_alternative(subtask, head, part)
             stages = lead + self._kernel_stages(subtask, part.nodes, "epilogue")
+            if subtask.kind == "conv":
+                library = self._depthwise_alternative(subtask, head, stages[len(lead):])
         elif subtask.kind == "fused":
             stages = self._kernel_stages(subtask, region.nodes, "region")
         else:
@@ -166,6 +168,36 @@ class TemplateCoder:
                          source=header + "\n".join(k.source for k in kernels),
                          kernel=kernels[0] if kernels else None,
                          signature=kernels[0].signature if kernels else "", stages=stages,
+                         region_inputs=list(subtask.region.inputs),
+                         region_outputs=list(subtask.region.outputs))
+
+    def _depthwise_alternative(self, subtask: Subtask, head: Region,
+                               epilogue: list[Stage]) -> Candidate | None:
+        """A generated depthwise convolution (``codegen.depthwise``) in place of the
+        library call, then the same epilogue stages; None where the region's
+        convolution is not one it covers (NCHW, one filter per channel, static sizes)."""
+        from stitch_backend.codegen.depthwise import depthwise_spec, generate_depthwise
+
+        gm = subtask.graph
+        nodes = {n.name: n for n in gm.graph.nodes}
+        if len(head.nodes) != 1 or not epilogue:
+            return None
+        conv = nodes[head.nodes[0]]
+        spec = depthwise_spec(conv)
+        if spec is None or conv.args[0].meta["val"].device.type not in ("cuda", "cpu"):
+            return None
+        sub = sub_region(gm, [conv.name], subtask.region_id, 810)
+        operands = [a.name for a in conv.args[:3] if isinstance(a, torch.fx.Node)]
+        if sorted(operands) != sorted(sub.inputs) or len(set(operands)) != len(operands):
+            return None       # an operand used twice, or a boundary that is not (x, w, b)
+        kernel = generate_depthwise(spec, f"{subtask.region_name}_dw",
+                                    [sub.inputs.index(n) for n in operands])
+        stages = [Stage(sub, kernel=kernel)] + list(epilogue)
+        kernels = [st.kernel for st in stages if st.kernel is not None]
+        return Candidate(region_id=subtask.region_id, origin=self.origin,
+                         name=f"{subtask.region_name}_dw",
+                         source="\n".join(k.source for k in kernels), kernel=kernel,
+                         signature=kernel.signature, stages=stages,
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs))
 
