@@ -82,6 +82,9 @@ class TemplateCoder:
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)
+            if library.name.endswith("_dw"):   # the generated convolution, split statistics
+                cand.alternatives += self._stats_splits(subtask, library.stages[:1], part,
+                                                        tag="dw_")
         return cand
 
     def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
@@ -213,10 +216,11 @@ class TemplateCoder:
                          signature=kernels[0].signature, stages=stages,
                          region_inputs=list(subtask.region.inputs), region_outputs=outputs)
 
-    def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region) -> list[Candidate]:
+    def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
+                      tag: str = "") -> list[Candidate]:
         """The split-statistics alternatives (two-pass and single-pass variance) of a region
         whose (epilogue) part is a training BatchNorm over few channels; none where that
-        does not apply or generate."""
+        does not apply or generate. ``tag`` prefixes their names (another lead stage)."""
         from .split_stats import BN_TRAIN
 
         names = set(part.nodes)
@@ -224,7 +228,7 @@ class TemplateCoder:
             return []
         module = region_module(subtask.graph, part)
         found = []
-        for single_pass, suffix in ((False, "split"), (True, "split1p")):
+        for single_pass, suffix in ((False, f"{tag}split"), (True, f"{tag}split1p")):
             alt = self._stats_split(subtask, lead, part, module, single_pass, suffix)
             if alt is not None:
                 found.append(alt)

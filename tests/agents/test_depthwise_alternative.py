@@ -153,3 +153,30 @@ def test_the_kernel_matches_eager_on_the_gpu(kernel, stride, padding, dilation, 
                                       stride, padding, dilation, c)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_split_statistics_variants_follow_the_generated_convolution_too():
+    """A BatchNorm over few channels gets split-statistics alternatives after ATen's
+    convolution; with a depthwise convolution, also after the generated one (named
+    ``_dw_split``/``_dw_split1p``, entries distinct from the others')."""
+    torch.manual_seed(0)
+    model = DepthwiseBlock(4, 3, 1, False).train()
+    rec, region, cand = _conv_candidate(model, torch.randn(8, 4, 32, 32))
+    names = [a.name for a in cand.alternatives]
+    assert any(n.endswith("_dw_split1p") for n in names), names
+    entries = [k.entry for c in [cand, *cand.alternatives] for k in c.kernels
+               if not isinstance(k, DepthwiseKernel)]
+    by_candidate = [[k.entry for k in c.kernels] for c in [cand, *cand.alternatives]]
+    assert all(len(set(e)) == len(e) for e in by_candidate)
+    assert entries
+    vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(vals[n].shape, generator=gen) if vals[n].is_floating_point()
+              else torch.zeros(vals[n].shape, dtype=vals[n].dtype) for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    for alt in cand.alternatives:
+        if "_dw_split" in alt.name:
+            assert isinstance(alt.stages[0].kernel, DepthwiseKernel)
+            got = runner_for(alt, base=InterpretedRunner)(*inputs)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
