@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from . import config as config_mod
-from . import logs
+from . import gc_pause, logs
 from .decompositions import decomposition_table
 from .exc import InvalidOptionError
 from .graph import GraphKey, graph_key
@@ -152,8 +152,9 @@ class StitchBackend:
 
     def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         try:
-            functional, writebacks = strip_input_mutations(gm)
-            return self._compile_graph(stage, functional, example_inputs, writebacks)
+            with gc_pause.paused():
+                functional, writebacks = strip_input_mutations(gm)
+                return self._compile_graph(stage, functional, example_inputs, writebacks)
         except Exception as err:  # noqa: BLE001 - a backend bug must not break the model
             if isinstance(err, InvalidOptionError):
                 raise

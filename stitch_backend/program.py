@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
+from . import gc_pause
 from .ir import Plan, Region
 from .mutations import WriteBack, Writeback, split_outputs
 from .regions import region_module
@@ -220,7 +221,8 @@ class Program:
         pending = dict(self.pending)
         self.verified_shapes.add(_shape_key(inputs))
         try:
-            return self._verify(self, inputs)
+            with gc_pause.paused():
+                return self._verify(self, inputs)
         except Exception as err:  # noqa: BLE001 - must not take the user's model down
             log.warning("stitchcuda: verification of %s failed (%s: %s); its regions stay on "
                         "ATen", self.plan.graph_name, type(err).__name__, err)
