@@ -159,7 +159,7 @@ def test_parallel_jobs_give_each_cuda_task_its_own_gpu(tmp_path, monkeypatch):
     assert gpus == {"gpu=5", "gpu=7"}
 
 
-def test_ctrl_c_with_parallel_jobs_kills_every_child_and_records_nothing(tmp_path):
+def test_ctrl_c_with_parallel_jobs_kills_every_child_and_records_nothing(tmp_path, request):
     """SIGINT reaches only the main thread; the children the worker threads wait on are
     killed too, no further task starts, and no crash rows are written (--resume reruns)."""
     import os
@@ -172,7 +172,19 @@ def test_ctrl_c_with_parallel_jobs_kills_every_child_and_records_nothing(tmp_pat
                              timeout_s=60.0, progress=False, plot=False, jobs=2)
     cfg.python = _fake_python(tmp_path, f'echo $$ >> "{pids}"; exec sleep 30')
     problems = [ProblemRef(f"t{i}", f"t{i}.py") for i in range(4)]
-    timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGINT))
+
+    def interrupt_once_both_run():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (
+                not pids.exists() or len(pids.read_text().split()) < 2):
+            time.sleep(0.05)
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    # Python's own Ctrl-C handler, whatever an earlier test in this worker installed
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
+    timer = threading.Thread(target=interrupt_once_both_run, daemon=True)
     timer.start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
