@@ -46,9 +46,12 @@ def test_groups_give_every_sm_rows_of_real_length():
     assert groups_for(16, 3 * 1000, 132) is None or 3000 % groups_for(16, 3000, 132) == 0
 
 
-def test_channels_last_groups_give_two_blocks_of_8_channels_per_sm():
-    assert groups_for_columns(64, 10 * 224 * 224, 132) == 64   # 4096 rows, 512 blocks
-    assert groups_for_columns(16, 64 * 8 * 8, 132) == 8        # stops at partials of 512
+def test_channels_last_groups_give_two_blocks_of_32_channels_per_sm():
+    assert groups_for_columns(64, 10 * 224 * 224, 132) == 128  # 8192 rows, 256 blocks of 32
+    assert groups_for_columns(128, 8 * 112 * 112, 132) == 64   # the same 8192 rows
+    assert groups_for_columns(64, 10 * 56 * 56, 132) == 64     # stops at partials of 490
+    assert groups_for_columns(16, 64 * 8 * 8, 132) == 16       # stops at partials of 256
+    assert groups_for_columns(2048, 10 * 56 * 56, 132) == 4    # 8192 rows again
     assert groups_for_columns(4096, 10 * 7 * 7, 132) is None   # channels alone fill it
     assert groups_for_columns(64, 2 * 7 * 7, 132) is None      # too short to split
 

@@ -1,11 +1,15 @@
-"""Backend names with options (one backend under two settings in one run) and the
-profiler's refusal without a GPU."""
+"""Backend names with options (one backend under two settings in one run), the
+profiler's refusal without a GPU and its tables on one."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import stitch_backend
 from stitch_backend.bench import backends
 from stitch_backend.bench.profile import main as profile_main
 
@@ -56,3 +60,23 @@ def test_profile_splits_a_call_into_host_and_wall_time():
 
     host, wall, cold = host_and_wall_ms(lambda: time.sleep(0.002), device="cpu")
     assert 2.0 <= host <= wall and cold >= 2.0
+
+
+@pytest.mark.gpu
+def test_profile_tables_a_call_warm_and_from_a_cold_l2():
+    from stitch_backend.bench.problems import load_problem
+    from stitch_backend.bench.profile import profile_backend
+    from stitch_backend.bench.worker import TaskConfig
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine with -m gpu)")
+    spec = str(Path(stitch_backend.__file__).parent / "examples" / "conv_bn_relu.py")
+    problem = load_problem(spec)
+    cfg = TaskConfig(spec=spec, name=problem.name, backends=[], device="cuda", mode="train")
+    text = profile_backend("eager", problem, cfg, top=5)
+    assert "| kernel | calls | ms | ms, cold L2 | share |" in text
+    head = text.splitlines()[0]
+    warm, cold = (float(v) for v in re.findall(r"([0-9.]+) (?:ms of kernels|from a cold)", head))
+    assert warm > 0 and cold > 0
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "kernel |" not in line]
+    assert rows and all(float(r.split("|")[3]) >= 0 and float(r.split("|")[4]) >= 0 for r in rows)
