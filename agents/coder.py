@@ -73,7 +73,7 @@ class TemplateCoder:
                 library = self._lt_alternative(subtask, head, part)
             stages = lead + self._kernel_stages(subtask, part.nodes, "epilogue")
             if subtask.kind == "conv":
-                library = self._depthwise_alternative(subtask, head, stages[len(lead):])
+                library = self._conv_kernel_alternative(subtask, head, stages[len(lead):])
         elif subtask.kind == "fused":
             stages = self._kernel_stages(subtask, region.nodes, "region")
         else:
@@ -82,9 +82,10 @@ class TemplateCoder:
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)
-            if library.name.endswith("_dw"):   # the generated convolution, split statistics
+            tag = library.name.rsplit("_", 1)[1]
+            if tag in ("dw", "sc"):   # a generated convolution: split statistics after it too
                 cand.alternatives += self._stats_splits(subtask, library.stages[:1], part,
-                                                        tag="dw_")
+                                                        tag=f"{tag}_")
         return cand
 
     def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
@@ -174,31 +175,38 @@ class TemplateCoder:
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs))
 
-    def _depthwise_alternative(self, subtask: Subtask, head: Region,
-                               epilogue: list[Stage]) -> Candidate | None:
-        """A generated depthwise convolution (``codegen.depthwise``) in place of the
-        library call, then the same epilogue stages; None where the region's
-        convolution is not one it covers (NCHW, one filter per channel, static sizes)."""
-        from stitch_backend.codegen.depthwise import depthwise_spec, generate_depthwise
+    def _conv_kernel_alternative(self, subtask: Subtask, head: Region,
+                                 epilogue: list[Stage]) -> Candidate | None:
+        """A generated convolution in place of the library call, then the same epilogue
+        stages: ``codegen.depthwise`` (named ``_dw``) for one filter per channel (NCHW),
+        ``codegen.stem_conv`` (``_sc``) for a few input channels into a channels-last
+        output; None where the region's convolution is neither (or sizes are symbolic)."""
+        from stitch_backend.codegen import depthwise, stem_conv
 
         gm = subtask.graph
         nodes = {n.name: n for n in gm.graph.nodes}
         if len(head.nodes) != 1 or not epilogue:
             return None
         conv = nodes[head.nodes[0]]
-        spec = depthwise_spec(conv)
-        if spec is None or conv.args[0].meta["val"].device.type not in ("cuda", "cpu"):
+        x = conv.args[0].meta.get("val") if isinstance(conv.args[0], torch.fx.Node) else None
+        if not isinstance(x, torch.Tensor) or x.device.type not in ("cuda", "cpu"):
+            return None
+        for tag, spec_of, make in (("dw", depthwise.depthwise_spec, depthwise.generate_depthwise),
+                                   ("sc", stem_conv.stem_spec, stem_conv.generate_stem_conv)):
+            spec = spec_of(conv)
+            if spec is not None:
+                break
+        else:
             return None
         sub = sub_region(gm, [conv.name], subtask.region_id, 810)
         operands = [a.name for a in conv.args[:3] if isinstance(a, torch.fx.Node)]
         if sorted(operands) != sorted(sub.inputs) or len(set(operands)) != len(operands):
             return None       # an operand used twice, or a boundary that is not (x, w, b)
-        kernel = generate_depthwise(spec, f"{subtask.region_name}_dw",
-                                    [sub.inputs.index(n) for n in operands])
+        kernel = make(spec, f"{subtask.region_name}_{tag}", [sub.inputs.index(n) for n in operands])
         stages = [Stage(sub, kernel=kernel)] + list(epilogue)
         kernels = [st.kernel for st in stages if st.kernel is not None]
         return Candidate(region_id=subtask.region_id, origin=self.origin,
-                         name=f"{subtask.region_name}_dw",
+                         name=f"{subtask.region_name}_{tag}",
                          source="\n".join(k.source for k in kernels), kernel=kernel,
                          signature=kernel.signature, stages=stages,
                          region_inputs=list(subtask.region.inputs),

@@ -15,22 +15,17 @@ is correct and faster than cuDNN/ATen.
 
 from __future__ import annotations
 
-import dataclasses
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
+from .conv_kernel import THREADS, ConvKernel, out_hw
 from .emit_expr import CTYPE
-from .fused import Layout, LaunchPlan, launch_plan, layout_key
 
-# outputs a thread computes along a row; threads a block
+# outputs a thread computes along a row
 OUTPUTS_PER_THREAD = 4
-THREADS = 256
-MAX_BLOCKS = 132 * 8       # a grid-stride loop beyond: 8 blocks of 256 per H200 SM
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -51,9 +46,7 @@ class DepthwiseSpec:
 
     @property
     def out_hw(self) -> tuple[int, int]:
-        ho = (self.h + 2 * self.padding[0] - self.dilation[0] * (self.kh - 1) - 1) // self.stride[0] + 1
-        wo = (self.w + 2 * self.padding[1] - self.dilation[1] * (self.kw - 1) - 1) // self.stride[1] + 1
-        return ho, wo
+        return out_hw(self)
 
 
 def depthwise_spec(node: torch.fx.Node) -> DepthwiseSpec | None:
@@ -147,60 +140,29 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(
 """
 
 
-@dataclass(frozen=True)
-class DepthwiseKernel:
-    """A generated depthwise convolution; launched like a ``FusedKernel`` (``prepare``),
-    its launches recorded the same way (``_layouts``), interpreted on the CPU by torch."""
+class DepthwiseKernel(ConvKernel):
+    """A generated depthwise convolution (see ``conv_kernel.ConvKernel``)."""
 
-    name: str
-    spec: DepthwiseSpec
-    positions: tuple[int, ...]        # region-input positions of x, w (and bias)
-    source: str = ""
-    ops: tuple[str, ...] = ("aten.convolution.default",)
-    _layouts: dict = field(default_factory=dict, compare=False, repr=False)
+    render = staticmethod(_source)
 
-    @property
-    def entry(self) -> str:
-        return self.name
-
-    @property
-    def signature(self) -> str:
-        return "p" * (len(self.positions) + 1)
-
-    def renamed(self, name: str) -> "DepthwiseKernel":
-        if not _IDENT.match(name):
-            raise ValueError(f"kernel name {name!r} is not a C identifier")
-        return dataclasses.replace(self, name=name, source=_source(self.spec, name), _layouts={})
-
-    def _check(self, inputs: Sequence[Any]) -> None:
+    def expected(self):
         s = self.spec
-        want = [(s.n, s.c, s.h, s.w), (s.c, 1, s.kh, s.kw)] + ([(s.c,)] if s.bias else [])
-        for pos, shape in zip(self.positions, want):
-            x = inputs[pos]
-            if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape
-                    or x.dtype != s.dtype or not x.is_contiguous()):
-                raise ValueError(f"{self.name}: input {pos} is not a contiguous {s.dtype} "
-                                 f"tensor of shape {shape}")
+        return [((s.n, s.c, s.h, s.w), None), ((s.c, 1, s.kh, s.kw), None)] + (
+            [((s.c,), None)] if s.bias else [])
 
-    def prepare(self, inputs: Sequence[Any]) -> LaunchPlan:
-        key = layout_key(inputs)
-        layout = self._layouts.get(key)
-        if layout is None:
-            self._check(inputs)
-            s = self.spec
-            ho, wo = s.out_hw
-            out = (s.n, s.c, ho, wo)
-            stride = (s.c * ho * wo, ho * wo, wo, 1)
-            items = s.n * s.c * ho * -(-wo // OUTPUTS_PER_THREAD)
-            grid = (max(1, min(-(-items // THREADS), MAX_BLOCKS)), 1, 1)
-            layout = Layout(((out, stride, s.dtype),), (), self.positions, (), grid,
-                            (THREADS, 1, 1))
-            self._layouts[key] = layout
-        return launch_plan(layout, inputs)
+    def output(self):
+        s = self.spec
+        ho, wo = s.out_hw
+        return (s.n, s.c, ho, wo), (s.c * ho * wo, ho * wo, wo, 1), s.dtype
+
+    def items(self) -> int:
+        s = self.spec
+        ho, wo = s.out_hw
+        return s.n * s.c * ho * -(-wo // OUTPUTS_PER_THREAD)
 
     def interpret(self, inputs: Sequence[Any]) -> list[torch.Tensor]:
         """The outputs by torch (the CPU testing aid's stand-in for the kernel)."""
-        self._check(inputs)
+        self.check(inputs)
         s = self.spec
         x, w = (inputs[p] for p in self.positions[:2])
         b = inputs[self.positions[2]] if s.bias else None
@@ -212,12 +174,7 @@ class DepthwiseKernel:
 def generate_depthwise(spec: DepthwiseSpec, name: str, positions: Sequence[int]) -> DepthwiseKernel:
     """The kernel for ``spec`` named ``name``; ``positions``: where x, w (and the bias)
     are among the region's inputs."""
-    if not _IDENT.match(name):
-        raise ValueError(f"kernel name {name!r} is not a C identifier")
-    want = 3 if spec.bias else 2
-    if len(positions) != want:
-        raise ValueError(f"{name}: {want} input positions expected, got {len(positions)}")
-    return DepthwiseKernel(name, spec, tuple(positions), _source(spec, name))
+    return DepthwiseKernel.build(spec, name, positions)
 
 
 __all__ = ["DTYPES", "DepthwiseKernel", "DepthwiseSpec", "depthwise_spec", "generate_depthwise"]
