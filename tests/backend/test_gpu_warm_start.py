@@ -1,6 +1,10 @@
 """On a GPU, issue 5's budget: a ResNet-50-sized model warm-starts from the cache in at
 most 1 s of backend time, and 4 processes compiling it at once all get eager's results
-while the cache ends up holding what one build leaves (each graph built once)."""
+while the cache ends up holding what one build leaves (each graph built once).
+
+The budget test times the backend, so it is marked ``serial``: ``.ci/gpu`` runs it after
+the parallel GPU tests, alone. Among 7 other test workers the same warm start measured
+1100 and 1515 ms on the H200 (CPU contention); alone, 302 ms."""
 
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ def _run(n: int, cache: Path) -> list[dict]:
     return out
 
 
+@pytest.mark.serial
 def test_resnet50_sized_model_warm_starts_within_a_second(tmp_path):
     (cold,) = _run(1, tmp_path)
     (warm,) = _run(1, tmp_path)
