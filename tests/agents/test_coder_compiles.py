@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -64,3 +66,48 @@ def test_replanned_candidate_compiles_with_every_stage_entry():
     assert not isinstance(result, CompileError), str(result)
     for kernel in cand.kernels:
         assert kernel.entry.encode() in result.cubin
+
+
+def test_every_candidate_for_the_zoo_compiles_after_the_cuda_passes(monkeypatch):
+    """With the graph passes that run before the Coder on CUDA (channels-last, poolings,
+    convolution biases; cpu_interpret turns them on) and BatchNorms in training mode as
+    KernelBench runs them, every candidate the Coder proposes compiles, alternatives
+    included (split statistics, generated convolutions)."""
+    from stitch_backend.agents.coder import NoCandidate, TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+    from stitch_backend.backend import StitchBackend
+    from stitch_backend.program import Program
+
+    def planned_only(self, gm, plan, key, arch, record, **kwargs):
+        self._mark_aten(plan, "planned only")
+        return Program(gm, plan)
+
+    monkeypatch.setattr(StitchBackend, "_build", planned_only)
+    coder = TemplateCoder()
+    sources: dict[str, str] = {}
+    for (name, (cls, make_inputs)), channels_last in itertools.product(
+            sorted(zoo().items()), (True, False)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                         "channels_last": channels_last})
+        with torch.no_grad():
+            torch.compile(cls().train(), backend=backend)(*make_inputs(4))
+        for rec in backend.records:
+            for region in rec.plan.regions:
+                if region.kind.value == "fallback":
+                    continue
+                try:
+                    cand = coder.propose(subtask_for(
+                        rec.gm, region, f"{name}_{int(channels_last)}{rec.index}_{region.id}"))
+                except NoCandidate:
+                    continue
+                for c in [cand, *cand.alternatives]:
+                    for k in c.kernels:
+                        sources.setdefault(k.source, k.entry)
+    entries = list(sources.values())
+    assert any(e.endswith("_sc") for e in entries) and any(e.endswith("_dw") for e in entries)
+    assert any("split1p" in e for e in entries), entries
+    results = compile_many([CompileJob(source=s, name=e, arch="sm_90a") for s, e in sources.items()])
+    failures = [(e, r) for e, r in zip(entries, results) if isinstance(r, CompileError)]
+    assert not failures, "\n\n".join(f"{e}:\n{r}" for e, r in failures[:3])
