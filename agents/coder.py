@@ -66,6 +66,7 @@ class TemplateCoder:
         lead: list[Stage] = []
         part = region
         library = None
+        conv_tag = None    # the generated convolution's tag, where it is the alternative
         if subtask.kind in ("gemm", "conv"):
             head, part = self._split_anchor(subtask)
             lead = [Stage(head, module=region_module(subtask.graph, head))]
@@ -73,7 +74,8 @@ class TemplateCoder:
                 library = self._lt_alternative(subtask, head, part)
             stages = lead + self._kernel_stages(subtask, part.nodes, "epilogue")
             if subtask.kind == "conv":
-                library = self._conv_kernel_alternative(subtask, head, stages[len(lead):])
+                library, conv_tag = self._conv_kernel_alternative(subtask, head,
+                                                                  stages[len(lead):])
         elif subtask.kind == "fused":
             stages = self._kernel_stages(subtask, region.nodes, "region")
         else:
@@ -82,10 +84,9 @@ class TemplateCoder:
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)
-            tag = library.name.rsplit("_", 1)[1]
-            if tag in ("dw", "sc"):   # a generated convolution: split statistics after it too
+            if conv_tag is not None:   # a generated convolution: split statistics after it too
                 cand.alternatives += self._stats_splits(subtask, library.stages[:1], part,
-                                                        tag=f"{tag}_")
+                                                        tag=f"{conv_tag}_")
         return cand
 
     def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
@@ -175,33 +176,34 @@ class TemplateCoder:
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs))
 
-    def _conv_kernel_alternative(self, subtask: Subtask, head: Region,
-                                 epilogue: list[Stage]) -> Candidate | None:
+    def _conv_kernel_alternative(self, subtask: Subtask, head: Region, epilogue: list[Stage]
+                                 ) -> tuple[Candidate | None, str | None]:
         """A generated convolution in place of the library call, then the same epilogue
-        stages: ``codegen.depthwise`` (named ``_dw``) for one filter per channel (NCHW),
-        ``codegen.stem_conv`` (``_sc``) for a few input channels into a channels-last
-        output; None where the region's convolution is neither (or sizes are symbolic)."""
+        stages, and its tag: ``codegen.depthwise`` (``dw``, the candidate named ``_dw``)
+        for one filter per channel (NCHW), ``codegen.stem_conv`` (``sc``) for a few input
+        channels into a channels-last output; (None, None) where the region's convolution
+        is neither (or sizes are symbolic)."""
         from stitch_backend.codegen import depthwise, stem_conv
 
         gm = subtask.graph
         nodes = {n.name: n for n in gm.graph.nodes}
         if len(head.nodes) != 1 or not epilogue:
-            return None
+            return None, None
         conv = nodes[head.nodes[0]]
         x = conv.args[0].meta.get("val") if isinstance(conv.args[0], torch.fx.Node) else None
         if not isinstance(x, torch.Tensor) or x.device.type not in ("cuda", "cpu"):
-            return None
+            return None, None
         for tag, spec_of, make in (("dw", depthwise.depthwise_spec, depthwise.generate_depthwise),
                                    ("sc", stem_conv.stem_spec, stem_conv.generate_stem_conv)):
             spec = spec_of(conv)
             if spec is not None:
                 break
         else:
-            return None
+            return None, None
         sub = sub_region(gm, [conv.name], subtask.region_id, 810)
         operands = [a.name for a in conv.args[:3] if isinstance(a, torch.fx.Node)]
         if sorted(operands) != sorted(sub.inputs) or len(set(operands)) != len(operands):
-            return None       # an operand used twice, or a boundary that is not (x, w, b)
+            return None, None  # an operand used twice, or a boundary that is not (x, w, b)
         kernel = make(spec, f"{subtask.region_name}_{tag}", [sub.inputs.index(n) for n in operands])
         stages = [Stage(sub, kernel=kernel)] + list(epilogue)
         kernels = [st.kernel for st in stages if st.kernel is not None]
@@ -210,7 +212,7 @@ class TemplateCoder:
                          source="\n".join(k.source for k in kernels), kernel=kernel,
                          signature=kernel.signature, stages=stages,
                          region_inputs=list(subtask.region.inputs),
-                         region_outputs=list(subtask.region.outputs))
+                         region_outputs=list(subtask.region.outputs)), tag
 
     def _candidate(self, subtask: Subtask, name: str, stages: list[Stage],
                    outputs: list[str]) -> Candidate:

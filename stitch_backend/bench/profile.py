@@ -28,16 +28,17 @@ WARM_CALLS = 12
 TIMED_CALLS = 20
 
 
-def host_and_wall_ms(fn, device: str = "cuda") -> tuple[float, float, float]:
+def host_and_wall_ms(fn, device: str = "cuda", flush=None) -> tuple[float, float, float]:
     """Medians over TIMED_CALLS calls of ``fn``, each from an idle GPU: milliseconds
     until the call returns on the host (its launch and wrapper overhead, where the GPU
-    keeps up), until the GPU finishes, and until it finishes after an L2 flush (on
-    the CPU: the same call three ways, a testing aid)."""
+    keeps up), until the GPU finishes, and until it finishes after ``flush()`` (an
+    L2 flush by default; on the CPU: the same call three ways, a testing aid)."""
     import statistics
     import time
 
     cuda = device == "cuda"
-    flush = L2Flusher(torch.device(device)) if cuda else (lambda: None)
+    if flush is None:
+        flush = L2Flusher(torch.device(device)) if cuda else (lambda: None)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     host, wall, cold = [], [], []
     for flushed in (False, True):
@@ -65,7 +66,6 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool 
 
     from ..backend import compiled_graphs
     from ..report import render_text
-    from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
     device = torch.device("cuda")
@@ -79,13 +79,13 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool 
         for _ in range(WARM_CALLS if name.startswith("stitchcuda") else 3):
             compiled.fn(*inputs)
         torch.cuda.synchronize()
-        host, wall, cold = host_and_wall_ms(lambda: compiled.fn(*inputs))
-        # the same call twice: as it is, then from a cold L2 (the bench's condition)
-        warm_events = _profiled(lambda: compiled.fn(*inputs), profile, ProfilerActivity)
         flush = L2Flusher(device)
+        host, wall, cold = host_and_wall_ms(lambda: compiled.fn(*inputs), flush=flush)
+        # the same call twice: as it is, then from a cold L2 (the bench's condition)
+        warm_events = _profiled(lambda: compiled.fn(*inputs))
         flush()
         torch.cuda.synchronize()
-        cold_events = _profiled(lambda: compiled.fn(*inputs), profile, ProfilerActivity)
+        cold_events = _profiled(lambda: compiled.fn(*inputs))
     total = sum(ms for _, ms in warm_events.values())
     cold_total = sum(ms for _, ms in cold_events.values())
     lines = [f"## {name}: {total:.3f} ms of kernels in one call ({cold_total:.3f} from a cold "
@@ -106,9 +106,11 @@ def profile_backend(name: str, problem, cfg: TaskConfig, top: int, report: bool 
     return "\n".join(lines)
 
 
-def _profiled(call, profile, activity) -> dict[str, tuple[int, float]]:
+def _profiled(call) -> dict[str, tuple[int, float]]:
     """Kernel name -> (launches, milliseconds) of one profiled ``call()``."""
-    with profile(activities=[activity.CPU, activity.CUDA]) as prof:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
     return {e.key: (e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()

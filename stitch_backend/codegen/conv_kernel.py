@@ -11,12 +11,60 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+import torch.fx
 
 from .fused import Layout, LaunchPlan, launch_plan, layout_key
 
 THREADS = 256
 MAX_BLOCKS = 132 * 8       # a grid-stride loop beyond: 8 blocks of 256 per H200 SM
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ConvOperands:
+    """A 2-D convolution node's fake values (``b`` None without a bias) and arguments."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor | None
+    out: torch.Tensor
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+
+_ARGC = {torch.ops.aten.convolution.default: 9, torch.ops.aten._convolution.default: 13}
+
+
+def conv2d_operands(node: torch.fx.Node, targets: Sequence[Any] = (
+        torch.ops.aten.convolution.default,)) -> ConvOperands | None:
+    """The operands of ``node`` when it is one of ``targets`` (``aten.convolution``, or
+    ``aten._convolution``, whose cuDNN flags a generated kernel makes moot), not
+    transposed, with no output padding, static sizes, 4-D tensors of one dtype; else
+    None."""
+    if node.op != "call_function" or node.target not in targets or node.kwargs:
+        return None
+    if len(node.args) != _ARGC.get(node.target):
+        return None
+    x_node, w_node, b_node, stride, padding, dilation, transposed, out_pad, groups = node.args[:9]
+    x, w, b = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+               for a in (x_node, w_node, b_node))
+    out = node.meta.get("val")
+    if not all(isinstance(v, torch.Tensor) for v in (x, w, out)) or transposed:
+        return None
+    if b_node is not None and not isinstance(b, torch.Tensor):
+        return None
+    tensors = [v for v in (x, w, b, out) if isinstance(v, torch.Tensor)]
+    if any(isinstance(s, torch.SymInt) for v in tensors for s in (*v.shape, *v.stride())):
+        return None
+    if x.dim() != 4 or w.dim() != 4 or any(v.dtype != x.dtype for v in tensors):
+        return None
+    if any(p != 0 for p in out_pad) or not len(stride) == len(padding) == len(dilation) == 2:
+        return None
+    return ConvOperands(x, w, b, out, tuple(int(s) for s in stride),
+                        tuple(int(p) for p in padding), tuple(int(d) for d in dilation),
+                        int(groups))
 
 
 def out_hw(spec: Any) -> tuple[int, int]:
@@ -105,4 +153,4 @@ class ConvKernel:
         return launch_plan(layout, inputs)
 
 
-__all__ = ["ConvKernel", "MAX_BLOCKS", "THREADS", "out_hw"]
+__all__ = ["ConvKernel", "ConvOperands", "MAX_BLOCKS", "THREADS", "conv2d_operands", "out_hw"]

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .conv_kernel import THREADS, ConvKernel, out_hw
+from .conv_kernel import THREADS, ConvKernel, conv2d_operands, out_hw
 from .emit_expr import CTYPE
 
 # outputs a thread computes along a row
@@ -52,34 +52,19 @@ class DepthwiseSpec:
 def depthwise_spec(node: torch.fx.Node) -> DepthwiseSpec | None:
     """The spec of ``aten.convolution`` node ``node`` when it is a depthwise convolution
     this kernel runs (static sizes, NCHW contiguous, fp32/fp16/bf16), else None."""
-    if node.op != "call_function" or node.target is not torch.ops.aten.convolution.default:
+    ops = conv2d_operands(node)
+    if ops is None or ops.x.dtype not in DTYPES:
         return None
-    if len(node.args) != 9 or node.kwargs:
-        return None
-    x_node, w_node, b_node, stride, padding, dilation, transposed, out_pad, groups = node.args
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-            for a in (x_node, w_node, b_node)]
-    x, w, b = vals
-    out = node.meta.get("val")
-    if not all(isinstance(v, torch.Tensor) for v in (x, w, out)) or transposed:
-        return None
-    if b_node is not None and not isinstance(b, torch.Tensor):
-        return None
-    tensors = [v for v in (x, w, b, out) if isinstance(v, torch.Tensor)]
-    if any(isinstance(s, torch.SymInt) for v in tensors for s in (*v.shape, *v.stride())):
-        return None
-    if x.dim() != 4 or w.dim() != 4 or x.dtype not in DTYPES or any(v.dtype != x.dtype for v in tensors):
-        return None
+    x, w, b, out = ops.x, ops.w, ops.b, ops.out
     n, c, h, wd = x.shape
-    if groups != c or tuple(w.shape[:2]) != (c, 1) or any(p != 0 for p in out_pad):
+    if ops.groups != c or tuple(w.shape[:2]) != (c, 1):
         return None
     if not (x.is_contiguous() and w.is_contiguous() and out.is_contiguous()):
         return None
     if b is not None and tuple(b.shape) != (c,):
         return None
     spec = DepthwiseSpec(int(n), int(c), int(h), int(wd), int(w.shape[2]), int(w.shape[3]),
-                         tuple(int(s) for s in stride), tuple(int(p) for p in padding),
-                         tuple(int(d) for d in dilation), x.dtype, b is not None)
+                         ops.stride, ops.padding, ops.dilation, x.dtype, b is not None)
     if spec.out_hw != tuple(out.shape[2:]) or min(spec.out_hw) < 1:
         return None
     if n * c * h * wd >= 2**30 or n * c * spec.out_hw[0] * spec.out_hw[1] >= 2**30:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .conv_kernel import THREADS, ConvKernel, out_hw
+from .conv_kernel import THREADS, ConvKernel, conv2d_operands, out_hw
 
 MAX_IN_CHANNELS = 4
 OUTPUTS_PER_THREAD = 4          # along a row of the output
@@ -68,25 +68,10 @@ def stem_spec(node: torch.fx.Node) -> StemConvSpec | None:
     """The spec of convolution ``node`` when this kernel runs it (static sizes, fp32, one
     group, at most MAX_IN_CHANNELS input channels, output channels a multiple of four,
     the filter fitting in shared memory, a channels-last output), else None."""
-    if node.op != "call_function" or node.target not in _CONVS or node.kwargs:
+    ops = conv2d_operands(node, _CONVS)
+    if ops is None or ops.groups != 1 or ops.x.dtype != torch.float32:
         return None
-    if len(node.args) != (9 if node.target is _CONVS[0] else 13):
-        return None
-    x_node, w_node, b_node, stride, padding, dilation, transposed, out_pad, groups = node.args[:9]
-    x, w, b = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-               for a in (x_node, w_node, b_node))
-    out = node.meta.get("val")
-    if not all(isinstance(v, torch.Tensor) for v in (x, w, out)) or transposed or groups != 1:
-        return None
-    if b_node is not None and not isinstance(b, torch.Tensor):
-        return None
-    tensors = [v for v in (x, w, b, out) if isinstance(v, torch.Tensor)]
-    if any(isinstance(s, torch.SymInt) for v in tensors for s in (*v.shape, *v.stride())):
-        return None
-    if x.dim() != 4 or w.dim() != 4 or any(v.dtype != torch.float32 for v in tensors):
-        return None
-    if any(p != 0 for p in out_pad) or len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
-        return None
+    x, w, b, out = ops.x, ops.w, ops.b, ops.out
     n, ci, h, wd = (int(s) for s in x.shape)
     co, wci, kh, kw = (int(s) for s in w.shape)
     if wci != ci or ci > MAX_IN_CHANNELS or co % CHANNELS_PER_THREAD or kh * kw * ci * co > SMEM_FLOATS:
@@ -95,8 +80,7 @@ def stem_spec(node: torch.fx.Node) -> StemConvSpec | None:
         return None
     if min(x.stride()) < 0 or min(w.stride()) < 0:
         return None
-    spec = StemConvSpec(n, ci, h, wd, co, kh, kw, tuple(int(s) for s in stride),
-                        tuple(int(p) for p in padding), tuple(int(d) for d in dilation),
+    spec = StemConvSpec(n, ci, h, wd, co, kh, kw, ops.stride, ops.padding, ops.dilation,
                         tuple(int(s) for s in x.stride()), tuple(int(s) for s in w.stride()),
                         b is not None)
     if min(spec.out_hw) < 1 or tuple(out.shape) != spec.out_shape:
