@@ -255,11 +255,21 @@ class TemplateCoder:
         new = split.module
         stages = list(lead)
         name = f"{subtask.region_name}_{suffix}"
+        last = len(split.stages) - 1
         for i, names in enumerate(split.stages):
             sub = sub_region(new, names, subtask.region_id, 500 + i)
             try:
                 kernel = self._generate(region_module(new, sub), f"{name}{i}")
             except Unsupported as err:
+                if i == last:
+                    # the normalisation and the rest of the region (a pooling, say) in
+                    # more than one kernel, where one does not generate
+                    try:
+                        stages += self._kernel_stages(subtask, names, "split stage", gm=new,
+                                                      prefix=f"{name}{i}", id_base=600)
+                        continue
+                    except NoCandidate:
+                        pass
                 log.debug("no split-statistics candidate for %s: stage %d: %s",
                           subtask.region_name, i, err)
                 return None
@@ -269,10 +279,14 @@ class TemplateCoder:
         return self._candidate(subtask, name, stages,
                                [renamed.get(n, n) for n in subtask.region.outputs])
 
-    def _kernel_stages(self, subtask: Subtask, names: list[str], what: str) -> list[Stage]:
-        """Stages covering ``names`` in order: kernels for the longest runs that generate,
-        ATen for nodes no run can start with. NoCandidate if no kernel at all."""
-        gm = subtask.graph
+    def _kernel_stages(self, subtask: Subtask, names: list[str], what: str, gm=None,
+                       prefix: str | None = None, id_base: int = 0) -> list[Stage]:
+        """Stages covering ``names`` (nodes of ``gm``, the subtask's graph by default) in
+        order: kernels for the longest runs that generate, ATen for nodes no run can start
+        with; kernels named ``prefix`` (the region's name) and a stage suffix. NoCandidate
+        if no kernel at all."""
+        gm = subtask.graph if gm is None else gm
+        prefix = subtask.region_name if prefix is None else prefix
         nodes = {n.name: n for n in gm.graph.nodes}
         compute = lambda run: any(classify(nodes[n]) is not OpClass.VIEW for n in run)
         attempts = 0
@@ -281,8 +295,8 @@ class TemplateCoder:
         def generate_run(run: list[str], index: int):
             nonlocal attempts, first_error
             attempts += 1
-            sub = sub_region(gm, run, subtask.region_id, index)
-            name = subtask.region_name if index < 0 else f"{subtask.region_name}_s{index}"
+            sub = sub_region(gm, run, subtask.region_id, index if index < 0 else id_base + index)
+            name = prefix if index < 0 else f"{prefix}_s{index}"
             try:
                 return sub, self._generate(region_module(gm, sub), name)
             except Unsupported as err:
@@ -312,16 +326,17 @@ class TemplateCoder:
                 i += 1
                 continue
             if aten_run:
-                stages.append(self._aten_stage(gm, aten_run, subtask.region_id, len(stages)))
+                stages.append(self._aten_stage(gm, aten_run, subtask.region_id,
+                                               id_base + len(stages)))
                 aten_run = []
             cut, sub, kernel = found
-            sub.id = subtask.region_id * 1000 + len(stages)
+            sub.id = subtask.region_id * 1000 + id_base + len(stages)
             # named for its final stage position (names must be unique)
-            kernel = kernel.renamed(f"{subtask.region_name}_s{len(stages)}")
+            kernel = kernel.renamed(f"{prefix}_s{len(stages)}")
             stages.append(Stage(sub, kernel=kernel))
             i = cut
         if aten_run:
-            stages.append(self._aten_stage(gm, aten_run, subtask.region_id, len(stages)))
+            stages.append(self._aten_stage(gm, aten_run, subtask.region_id, id_base + len(stages)))
         if not any(s.kernel is not None for s in stages):
             raise NoCandidate(f"no template for this {what}: {first_error}")
         return stages

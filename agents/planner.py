@@ -4,7 +4,8 @@ The partition is deterministic and greedy, in graph order:
 
 * a gemm / conv / attention node opens a region of its kind; the pointwise chain that
   follows a gemm or conv (same element count as the product, consuming it) is attached
-  as its epilogue; a conv also takes a following batch norm; a gemm's pointwise
+  as its epilogue; a conv also takes a following batch norm and a pooling's amax/mean
+  (then pointwise ops of the pooled size); a gemm's pointwise
   epilogue that one later fused region alone consumes moves into that region (no pass
   of its own over the product);
 * pointwise, reduction and normalisation nodes join the open fused region when they
@@ -39,6 +40,7 @@ import torch.fx
 
 from stitch_backend.ir import Plan, Region, RegionKind
 from stitch_backend.layout import CONVERSION as LAYOUT_CONVERSION
+from stitch_backend.pooling import POOLING
 from stitch_backend.opclass import OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary
 
@@ -199,6 +201,8 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
                     and _is_epilogue(node, cls, current) and consumes_current(node) \
                     and max(_producers(node)) <= regions.index(current):
                 add(node, current)
+                if cls is OpClass.REDUCTION:   # a pooling: what follows is of its size
+                    current.anchor_numel = _numel(node)
                 continue
             target = _fused_target(node)
             if target is not None:
@@ -352,11 +356,17 @@ def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:
 
 
 def _is_epilogue(node: torch.fx.Node, cls: OpClass, region: _Open) -> bool:
-    """Whether ``node`` can be fused after the gemm/conv product of ``region``."""
+    """Whether ``node`` can be fused after the gemm/conv product of ``region``: a
+    pointwise op of the product's size (or of a pooling's, after one), a convolution's
+    BatchNorm, or the amax/mean a disjoint-window pooling became (stitch_backend.pooling),
+    which then reads the epilogue's values as its kernel computes them instead of a
+    written copy (the BatchNorm's normalisation, say, when its statistics are split)."""
     if cls is OpClass.POINTWISE:
         return _same_numel(_numel(node), region.anchor_numel)
     if region.kind is RegionKind.CONV and cls is OpClass.NORM:
         return op_name(node) in _CONV_EPILOGUE_NORMS
+    if region.kind is RegionKind.CONV and cls is OpClass.REDUCTION:
+        return bool(node.meta.get(POOLING))
     return False
 
 

@@ -20,6 +20,9 @@ import torch.fx
 from .regions import inherit_source, rewritable_copy
 
 aten = torch.ops.aten
+# meta key of the amax/mean a pooling became: the Planner lets a convolution region's
+# epilogue take it (the pooled kernel reads the epilogue's values as it computes them)
+POOLING = "stitch_pooling"
 MAX_POOL = aten.max_pool2d_with_indices.default
 AVG_POOL = aten.avg_pool2d.default
 # the arguments after the input, in schema order
@@ -100,6 +103,8 @@ def pools_as_reductions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
             for nd in new_nodes:
                 val = nd.target(val, *nd.args[1:])
                 nd.meta["val"] = val
+                if nd.target is reduce:
+                    nd.meta[POOLING] = True
         inherit_source(node, *new_nodes)
         if node.target is MAX_POOL:
             for user in list(node.users):
@@ -114,4 +119,4 @@ def pools_as_reductions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
     return new, done
 
 
-__all__ = ["pools_as_reductions"]
+__all__ = ["POOLING", "pools_as_reductions"]

@@ -1,0 +1,113 @@
+"""A disjoint-window pooling after a convolution's epilogue joins the convolution's
+region: the pooled kernel reads the epilogue's values as it computes them (with split
+BatchNorm statistics, the normalisation runs inside the pooling's kernel) instead of a
+written copy. Planned, proposed and run through the interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from stitch_backend.agents.coder import TemplateCoder
+from stitch_backend.agents.state import subtask_for
+from stitch_backend.backend import StitchBackend
+from stitch_backend.kernels import InterpretedRunner, runner_for
+from stitch_backend.regions import region_module
+from tests.agents.test_stem_conv_alternative import _region_inputs
+
+aten = torch.ops.aten
+
+
+class ConvBnPool(nn.Module):
+    def __init__(self, cin=4, cout=8, pool="max", tail=False):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+        self.pool = nn.MaxPool2d(2) if pool == "max" else nn.AvgPool2d(2)
+        self.tail = tail
+
+    def forward(self, x):
+        y = self.pool(torch.relu(self.bn(self.conv(x))))
+        return torch.tanh(y) * 2 if self.tail else y
+
+
+class ConvActPool(nn.Module):
+    """L2 35's shape: conv, pointwise, max pool, pointwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        y = nn.functional.hardswish(self.conv(x) - 0.5)
+        return nn.functional.mish(nn.functional.max_pool2d(y, 2))
+
+
+def _compiled(model, x):
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+    (rec,) = backend.records
+    return rec, out
+
+
+def _node_ops(rec, region):
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    return [str(nodes[n].target) for n in region.nodes]
+
+
+@pytest.mark.parametrize("layout", [None, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("pool,tail", [("max", False), ("avg", True)], ids=["max", "avg_tail"])
+def test_the_pooling_joins_the_convolution_region_and_the_result_is_eager(layout, pool, tail):
+    torch.manual_seed(0)
+    model = ConvBnPool(4, 8, pool, tail).train()
+    x = torch.randn(4, 4, 16, 16)
+    if layout is not None:
+        x = x.contiguous(memory_format=layout)
+    with torch.no_grad():
+        want = ConvBnPool(4, 8, pool, tail).train()
+        want.load_state_dict(model.state_dict())
+        expected = want(x)
+    rec, out = _compiled(model, x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    reduce = "aten.amax.default" if pool == "max" else "aten.mean.dim"
+    assert reduce in _node_ops(rec, conv)
+    if tail:   # pointwise ops of the pooled size follow it into the region
+        assert "aten.tanh.default" in _node_ops(rec, conv)
+    assert not [r for r in rec.plan.regions if r is not conv and reduce in _node_ops(rec, r)]
+
+
+def test_split_statistics_normalise_inside_the_pooling_kernel():
+    torch.manual_seed(0)
+    model = ConvBnPool(4, 8, "max").train()
+    x = torch.randn(8, 4, 32, 32).contiguous(memory_format=torch.channels_last)
+    rec, _ = _compiled(model, x)
+    (region,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    cand = TemplateCoder().propose(subtask_for(rec.gm, region, "k"))
+    splits = [a for a in cand.alternatives if a.name.endswith("split1p")]
+    assert splits
+    # the normalisation and the pooling in one kernel (the view back to NCHW after it)
+    last = [s.kernel for s in splits[0].stages if s.kernel is not None][-1]
+    assert {"aten.amax.default", "aten.mul.Tensor", "aten.relu.default"} <= set(last.ops), last.ops
+    inputs = _region_inputs(rec, region)
+    want = region_module(rec.gm, region)(*inputs)
+    for alt in [cand, *cand.alternatives]:
+        got = runner_for(alt, base=InterpretedRunner)(*inputs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_an_activation_between_convolution_and_pooling_fuses_too():
+    torch.manual_seed(0)
+    model = ConvActPool()
+    x = torch.randn(4, 3, 18, 18)
+    with torch.no_grad():
+        expected = model(x)
+    rec, out = _compiled(model, x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    ops = _node_ops(rec, conv)
+    assert "aten.amax.default" in ops and "aten.sub.Tensor" in ops, ops
+    assert "aten.mish.default" in ops or "aten.tanh.default" in ops, ops  # after the pool
