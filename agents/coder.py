@@ -72,7 +72,7 @@ class TemplateCoder:
             lead = [Stage(head, module=region_module(subtask.graph, head))]
             if subtask.kind == "gemm":
                 library = self._lt_alternative(subtask, head, part)
-            stages = lead + self._kernel_stages(subtask, part.nodes, "epilogue")
+            stages = lead + self._epilogue_stages(subtask, part)
             if subtask.kind == "conv":
                 library, conv_tag = self._conv_kernel_alternative(subtask, head,
                                                                   stages[len(lead):])
@@ -278,6 +278,23 @@ class TemplateCoder:
         renamed = dict(zip(part.outputs, (a.name for a in out)))
         return self._candidate(subtask, name, stages,
                                [renamed.get(n, n) for n in subtask.region.outputs])
+
+    def _epilogue_stages(self, subtask: Subtask, part: Region) -> list[Stage]:
+        """The epilogue's stages. A layout conversion that ends an epilogue with a
+        BatchNorm is a stage of its own: in the BatchNorm's one-kernel template (a column
+        reduction) it would be a store of one element a thread across the other layout
+        (the split-statistics alternatives keep it in their pointwise last stage, which
+        writes it through the tiled template)."""
+        from stitch_backend.layout import CONVERSION
+
+        nodes = {n.name: n for n in subtask.graph.graph.nodes}
+        last = nodes[part.nodes[-1]]
+        if not (last.meta.get(CONVERSION) and len(part.nodes) > 1
+                and any(classify(nodes[n]) is OpClass.NORM for n in part.nodes)):
+            return self._kernel_stages(subtask, part.nodes, "epilogue")
+        return (self._kernel_stages(subtask, part.nodes[:-1], "epilogue")
+                + self._kernel_stages(subtask, [last.name], "layout conversion",
+                                      prefix=f"{subtask.region_name}_out", id_base=700))
 
     def _kernel_stages(self, subtask: Subtask, names: list[str], what: str, gm=None,
                        prefix: str | None = None, id_base: int = 0) -> list[Stage]:

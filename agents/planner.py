@@ -343,7 +343,10 @@ def _input_only_key(region: _Open) -> tuple | None:
 def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:
     """Whether the layout conversion ``node`` may end convolution ``region``: back to the
     contiguous layout, of the region's last value and its only use, after an epilogue
-    of pointwise ops and views only (a reduction's kernel could not tile the store)."""
+    of pointwise ops, views and BatchNorms (a pooling's kernel could not tile the store).
+    After a BatchNorm the one-kernel template writes its result and the conversion is a
+    stage of its own (as a region of its own did before); split statistics normalise in
+    a pointwise stage, which writes the traced layout through the tiled template."""
     if region is None or region.kind is not RegionKind.CONV or not region.nodes:
         return False
     if node.kwargs.get("memory_format") is not torch.contiguous_format:
@@ -351,7 +354,7 @@ def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:
     src = node.args[0]
     if not isinstance(src, torch.fx.Node) or src is not region.nodes[-1] or len(src.users) != 1:
         return False
-    return all(classify(n) in (OpClass.CONV, OpClass.POINTWISE, OpClass.VIEW)
+    return all(classify(n) in (OpClass.CONV, OpClass.POINTWISE, OpClass.VIEW, OpClass.NORM)
                for n in region.nodes)
 
 

@@ -32,7 +32,7 @@ class Stem(nn.Module):
 
 
 def _region_inputs(rec, region):
-    vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
+    vals = {n.name: n.meta.get("val") for n in rec.gm.graph.nodes}
     gen = torch.Generator().manual_seed(1)
     out = []
     for n in region.inputs:

@@ -79,18 +79,48 @@ def test_views_and_as_strided_see_the_traced_layout():
     assert rec.notes[0].startswith("channels-last: 2 convolution(s)"), rec.notes
 
 
-def test_a_layout_conversion_after_a_reduction_is_a_region_of_its_own():
-    """Fused after BatchNorm statistics, the kernel would read one layout and write the
-    other element by element (no tiled template for reductions)."""
+def test_a_layout_conversion_after_a_batchnorm_ends_its_region():
+    """After training BatchNorm statistics the one-kernel template writes its result and
+    the conversion back to NCHW is a stage of its own (a reduction's kernel cannot tile
+    the store); split statistics normalise in a pointwise stage that writes the traced
+    layout itself, through the tiled template."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+    from stitch_backend.kernels import InterpretedRunner, runner_for
+    from stitch_backend.regions import region_module
+    from tests.agents.test_stem_conv_alternative import _region_inputs
+
     example = residual_block
     backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0])
     (rec,) = backend.records
     nodes = {n.name: n for n in rec.gm.graph.nodes}
     conversions = [n for n in nodes.values() if layout.CONVERSION in n.meta]
     assert len(conversions) == 2     # the input to NHWC, the output back to NCHW
-    for region in rec.plan.regions:
-        if any(nodes[n] in conversions for n in region.nodes):
-            assert region.kind.value == "fused" and len(region.nodes) == 1, region
+    back = conversions[-1].name
+    (region,) = [r for r in rec.plan.regions if back in r.nodes]
+    assert region.kind.value == "conv" and region.nodes[-1] == back, region
+    cand = TemplateCoder().propose(subtask_for(rec.gm, region, "k"))
+    last = cand.stages[-1]
+    assert last.kernel is not None and back in last.region.nodes and len(cand.stages) >= 3
+    splits = [a for a in cand.alternatives if a.name.endswith("_split1p")]
+    assert splits, [a.name for a in cand.alternatives]
+    assert back in splits[0].stages[-1].region.nodes        # normalised, added, converted
+    assert splits[0].stages[-1].kernel.emitted.kind == "pointwise"
+    # (here the residual is read NCHW, so the plain template is as coalesced as a tile;
+    # with every load channels-last the stage is tiled:)
+    example = conv_bn_relu
+    backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0])
+    (rec,) = backend.records
+    (region,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    cand = TemplateCoder().propose(subtask_for(rec.gm, region, "k"))
+    split = next(a for a in cand.alternatives if a.name.endswith("_split1p"))
+    assert split.stages[-1].kernel.emitted.layout == "tiled", split.stages[-1].kernel.source
+    inputs = _region_inputs(rec, region)
+    want = region_module(rec.gm, region)(*inputs)
+    for alt in [cand, *cand.alternatives]:
+        for g, w in zip(runner_for(alt, base=InterpretedRunner)(*inputs), want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert g.stride() == w.stride()
 
 
 class ConvEpilogue(nn.Module):
