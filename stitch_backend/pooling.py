@@ -113,10 +113,51 @@ def pools_as_reductions(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule,
         else:
             node.replace_all_uses_with(pooled)
         graph.erase_node(node)
+        if channels_last:
+            _before_the_permute(graph, reduced, pooled, mode)
         done += 1
     graph.lint()
     new.recompile()
     return new, done
+
+
+def _before_the_permute(graph: torch.fx.Graph, reduced: torch.fx.Node, pooled: torch.fx.Node,
+                        mode) -> None:
+    """Pointwise ops that read nothing but the pooled value (and values computed only from
+    it, a Mish say) run on its (N, H, W, C) form, before the permute back to (N, C, H, W):
+    the same values with the same strides, and the pooling's kernel can then compute them
+    on the rows it reduced (after the permute, a kernel would read the reduction at
+    other rows than its own, which the fused template cannot)."""
+    from .opclass import OpClass, classify
+
+    cone: list[torch.fx.Node] = []
+    members = {pooled}
+    for nd in graph.nodes:
+        if nd.op != "call_function" or nd.kwargs or nd in members:
+            continue
+        inputs = nd.all_input_nodes
+        if inputs and all(i in members for i in inputs) and classify(nd) is OpClass.POINTWISE:
+            members.add(nd)
+            cone.append(nd)
+    if not cone:
+        return
+    nhwc = {pooled: reduced}
+    for nd in cone:
+        with graph.inserting_before(nd):
+            moved = graph.node_copy(nd, lambda a: nhwc.get(a, a))
+            back = graph.call_function(aten.permute.default, (moved, [0, 3, 1, 2]))
+        with mode:
+            moved.meta["val"] = moved.target(*torch.fx.node.map_arg(
+                moved.args, lambda a: a.meta["val"]))
+            back.meta["val"] = back.target(moved.meta["val"], [0, 3, 1, 2])
+        inherit_source(nd, moved, back)
+        nhwc[nd] = nhwc[back] = moved   # later members read ``back`` once ``nd`` is replaced
+        nd.replace_all_uses_with(back)
+    for nd in reversed(cone):       # the originals, and permutes only they read
+        graph.erase_node(nd)
+    for nd in list(graph.nodes):
+        if nd.target is aten.permute.default and not nd.users and nd.args[0] in nhwc.values():
+            graph.erase_node(nd)
 
 
 __all__ = ["POOLING", "pools_as_reductions"]

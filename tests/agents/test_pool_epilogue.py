@@ -71,6 +71,7 @@ def test_the_pooling_joins_the_convolution_region_and_the_result_is_eager(layout
         expected = want(x)
     rec, out = _compiled(model, x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert out.stride() == expected.stride()
     (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
     reduce = "aten.amax.default" if pool == "max" else "aten.mean.dim"
     assert reduce in _node_ops(rec, conv)
@@ -107,7 +108,41 @@ def test_an_activation_between_convolution_and_pooling_fuses_too():
         expected = model(x)
     rec, out = _compiled(model, x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert out.stride() == expected.stride()
     (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
     ops = _node_ops(rec, conv)
+    # channels-last: the Mish after the pooling runs before the view back to NCHW, so
+    # the template writes the epilogue, the pooling and the Mish in one kernel
+    cand = TemplateCoder().propose(subtask_for(rec.gm, conv, "k"))
+    kernels = [s.kernel for s in cand.stages if s.kernel is not None]
+    assert len(kernels) == 1 and {"aten.amax.default", "aten.tanh.default"} <= set(kernels[0].ops)
     assert "aten.amax.default" in ops and "aten.sub.Tensor" in ops, ops
     assert "aten.mish.default" in ops or "aten.tanh.default" in ops, ops  # after the pool
+
+
+class PoolTwice(nn.Module):
+    """The pooled value returned as is and through pointwise ops: both keep eager's
+    values and strides when the ops move before the view back to NCHW."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x):
+        p = nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        return p, torch.tanh(p) * 2 + 1, p.sum(dim=1)
+
+
+def test_pointwise_ops_after_a_channels_last_pooling_keep_values_and_strides():
+    torch.manual_seed(0)
+    model = PoolTwice()
+    x = torch.randn(2, 3, 12, 12).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected = model(x)
+    rec, out = _compiled(model, x)
+    for o, e in zip(out, expected):
+        torch.testing.assert_close(o, e, rtol=1e-4, atol=1e-4)
+        assert o.stride() == e.stride()
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    tanh = next(n for n in nodes.values() if n.target is aten.tanh.default)
+    assert tanh.args[0].target is aten.amax.default    # computed on the (N, H, W, C) rows
