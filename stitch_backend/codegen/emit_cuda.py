@@ -254,9 +254,13 @@ def _emit_tiled(k: _Kernel, ir: KernelIR, a: sympy.Symbol, b: sympy.Symbol) -> E
         off = em.index(st.offset, store)
         store.lines.append(f"      {k.out_names[st.out]}[{off}] = tile{i}[tx][j];")
     L += tile.render()
+    # a constant trip count, unrolled: a thread's TILE / TILE_ROWS loads are in flight
+    # together instead of one after the other
     for phase, guard in ((load, "a0 + j < n_a && b0 + tx < n_b"),
                          (store, "a0 + tx < n_a && b0 + j < n_b")):
-        L.append(f"    for (int j = ty; j < {TILE}; j += {TILE_ROWS}) {{")
+        L.append("    #pragma unroll")
+        L.append(f"    for (int jj = 0; jj < {TILE // TILE_ROWS}; ++jj) {{")
+        L.append(f"      const int j = ty + jj * {TILE_ROWS};")
         L.append(f"      if (!({guard})) continue;")
         L += phase.render()
         L.append("    }")

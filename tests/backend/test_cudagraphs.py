@@ -256,3 +256,80 @@ def test_a_parameter_that_moved_is_seen_by_torchs_pointer_check():
 
     assert cudagraphs._PTRS_EQUAL is not None
     _moved_check("cuda")
+
+
+def _handing_replay(outputs):
+    """A GraphReplay whose 'graph' produced ``outputs`` (the handover logic alone)."""
+    from types import SimpleNamespace
+
+    from stitch_backend.cudagraphs import GraphReplay, _alias
+
+    replay = GraphReplay(SimpleNamespace(notes_sink=[], writebacks=[]), set())
+    replay._own = outputs
+    _alias(outputs, replay._flat_own)
+    return replay
+
+
+def test_outputs_nobody_holds_are_reused_and_kept_ones_moved_out():
+    """A replay hands over aliases of the graph's buffers. Before the next replay: a
+    dropped output lets the graph overwrite its buffer; a kept one (the tensor itself,
+    or inside the container the call returned) is moved to memory of its own with its
+    values, sizes and strides; a kept view of one (which cannot be moved) tells the
+    caller to leave the buffers to it. (A Python storage object alone is not counted by
+    torch's storage reference count: cudagraphs.py's docstring says so.)"""
+    own = [torch.arange(12.0).view(3, 4).t(), torch.ones(5)]
+    replay = _handing_replay(own)
+    out = replay._hand_over()
+    assert out[0].data_ptr() == own[0].data_ptr() and out[0].stride() == own[0].stride()
+    del out
+    assert replay._release_outputs() and replay.reused == 1 and replay.moved == 0
+
+    out = replay._hand_over()
+    first = out[0]
+    assert replay._release_outputs() and replay.moved == 2    # both: the list is held too
+    assert first.data_ptr() != own[0].data_ptr() and first.stride() == own[0].stride()
+    own[0].fill_(-1.0)                                         # the graph's next replay
+    assert torch.equal(first, torch.arange(12.0).view(3, 4).t())
+    assert torch.equal(out[1], torch.ones(5))
+    del out, first
+
+    out = replay._hand_over()
+    row = out[1][1:3]                                          # a view: cannot be moved
+    del out
+    assert not replay._release_outputs()
+    del row
+    out = replay._hand_over()
+    del out
+    assert replay._release_outputs()
+
+
+def test_kept_inference_tensors_are_moved_out_too():
+    with torch.inference_mode():
+        own = [torch.randn(4, 4)]
+    replay = _handing_replay(own)
+    out = replay._hand_over()
+    assert out[0].is_inference()
+    assert replay._release_outputs() and replay.moved == 1
+    assert out[0].data_ptr() != own[0].data_ptr() and torch.equal(out[0], own[0])
+
+
+def test_after_views_were_kept_twice_outputs_are_cloned(monkeypatch):
+    """Each time a held view stops the graph from overwriting its buffers, the graph is
+    left to it and captured again; the second time, outputs are cloned from then on."""
+    own = [torch.randn(6)]
+    replay = _handing_replay(own)
+    captured = []
+    monkeypatch.setattr(replay, "_capture", lambda inputs: captured.append(inputs))
+    for _ in range(2):
+        replay._own, replay._flat_own = own, []
+        from stitch_backend.cudagraphs import _alias
+        _alias(own, replay._flat_own)
+        view = replay._hand_over()[0][1:]
+        assert not replay._release_outputs()
+        replay._abandon(["x"])
+        del view
+    assert captured == [["x"], ["x"]] and replay.clone_outputs
+    assert any("cloned from now on" in n for n in replay.program.notes_sink)
+    replay._own = own
+    out = replay._hand_over()
+    assert out[0].data_ptr() != own[0].data_ptr() and torch.equal(out[0], own[0])

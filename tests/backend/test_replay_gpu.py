@@ -77,3 +77,34 @@ def test_replayed_outputs_keep_eagers_strides():
                 assert g.stride() == r.stride() and g.shape == r.shape
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
     assert any(n.startswith("CUDA graph replay on") for n in _replay_notes(backend))
+
+
+def test_replayed_outputs_are_handed_over_without_a_copy_unless_kept(monkeypatch):
+    """A loop that drops each result gets the graph's buffers with no copy; results kept
+    across calls are moved to memory of their own first; a kept view of one (which
+    cannot be moved) makes the Program capture again; each value stays eager's."""
+    from stitch_backend import cudagraphs
+
+    monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn, runs=5: (fn(), 1.0)[1])  # replay kept
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 32)).cuda().eval()
+    backend = StitchBackend()
+    compiled = torch.compile(model, backend=backend)
+    xs = [torch.randn(16, 64, device="cuda") for _ in range(8)]
+    with torch.no_grad():
+        for x in xs:                                   # results dropped at once
+            torch.testing.assert_close(compiled(x).sum(), model(x).sum(), atol=1e-3, rtol=1e-4)
+        (rec,) = backend.records
+        replay = rec.program.replay
+        assert replay is not None and replay.graph is not None, rec.notes
+        assert replay.reused >= 3 and replay.moved == 0, (replay.reused, replay.moved)
+        kept = [compiled(x) for x in xs]               # results kept
+        assert replay.moved >= len(xs) - 1
+        views = [compiled(x)[:, :4] for x in xs[:2]]   # views of results kept
+        assert replay.abandoned >= 1
+        for x, y in zip(xs, kept):
+            torch.testing.assert_close(y, model(x), atol=1e-4, rtol=1e-4)
+        for x, v in zip(xs, views):
+            torch.testing.assert_close(v, model(x)[:, :4], atol=1e-4, rtol=1e-4)
+    assert len({y.data_ptr() for y in kept}) == len(kept)
