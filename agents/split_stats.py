@@ -93,12 +93,16 @@ def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
 
 def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
                     contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
-    """``module`` (a region module) with its one training BatchNorm rewritten into
-    two-level sums, or None when the rewrite does not apply or would not help.
+    """``module`` (a region module) with its training BatchNorms rewritten into two-level
+    sums, or None when the rewrite does not apply to each of them or would not help.
 
     A channels-last input (the layout pass's convolutions) is always split when its
     channels leave SMs idle: one kernel per region would reduce it as columns with a
     block per 8 channels. A contiguous (NCHW) input only with ``contiguous``.
+
+    Several BatchNorms (a residual block's two branches, which the Planner puts in one
+    region: ``agents.planner._defer_norms``) each get their statistics stages; one last
+    pointwise stage normalises them all and runs the rest of the region.
 
     ``single_pass``: the statistics read the input once instead of twice. The partial
     sums are of ``d = x - s`` and ``d * d``, where ``s`` is the channel's first element
@@ -106,9 +110,35 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     does not cancel the way ``E[x^2] - E[x]^2`` does for a channel whose mean is large
     against its spread); three kernels instead of five."""
     bns = [n for n in module.graph.nodes if n.op == "call_function" and n.target is BN_TRAIN]
-    if len(bns) != 1:
+    if not bns:
         return None
-    bn = bns[0]
+    plans = [_plan(bn, sm_count, contiguous) for bn in bns]
+    if any(p is None for p in plans):
+        return None
+    new = torch.fx.GraphModule(module, copy_graph(module.graph))
+    new_bns = [nd for nd in new.graph.nodes if nd.target is BN_TRAIN]
+    # statistics stages (0-3) of each BatchNorm in turn, then the normalisation of all
+    stages: list[list[str]] = [[] for _ in range(4 * len(bns) + 1)]
+    for i, (bn, plan) in enumerate(zip(new_bns, plans)):
+        _rewrite(new, bn, plan, stages[4 * i: 4 * i + 4] + [stages[-1]], single_pass)
+    ours = {name for stage in stages for name in stage}
+    stages[-1] += [nd.name for nd in new.graph.nodes
+                   if nd.op == "call_function" and nd.name not in ours]
+    new.graph.eliminate_dead_code()
+    order = {nd.name: i for i, nd in enumerate(new.graph.nodes)}
+    stages = [sorted((s for s in stage if s in order), key=order.__getitem__)
+              for stage in stages]
+    new.graph.lint()
+    new.recompile()
+    _propagate_metas(new)
+    return StatsSplit(new, [s for s in stages if s], plans[0][-1])
+
+
+def _plan(bn: torch.fx.Node, sm_count: int, contiguous: bool
+          ) -> tuple[int, int, int, int, bool, int] | None:
+    """(N, C, H, W, channels-last, groups) for splitting ``bn``; None where it does not
+    apply (eval mode, not 4-D fp32 of static sizes, an input the stages cannot
+    recompute, channels enough for one kernel)."""
     x, weight, bias, rmean, rvar, training, momentum, eps = bn.args
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     chain = _pointwise_chain(x) if isinstance(x, torch.fx.Node) else None
@@ -128,12 +158,17 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
         return None
     if groups is None or n * h * w < 2:
         return None
-    new = torch.fx.GraphModule(module, copy_graph(module.graph))
-    bn = next(nd for nd in new.graph.nodes if nd.target is BN_TRAIN)
-    x, weight, bias, rmean, rvar = bn.args[:5]
+    return n, c, h, w, channels_last, groups
+
+
+def _rewrite(new: torch.fx.GraphModule, bn: torch.fx.Node, plan: tuple,
+             stages: list[list[str]], single_pass: bool) -> None:
+    """Replace ``bn`` in ``new`` by its two-level statistics (node names appended to
+    ``stages[0..3]``) and its normalisation (``stages[4]``)."""
+    n, c, h, w, channels_last, groups = plan
+    x, weight, bias, rmean, rvar, _, momentum, eps = bn.args
     chain = _pointwise_chain(x)
     count = float(n * h * w)
-    stages: list[list[str]] = [[], [], [], [], []]
     recomputed: dict[int, torch.fx.Node] = {}
 
     def op(stage: int, target, *args) -> torch.fx.Node:
@@ -220,17 +255,6 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
         user.replace_all_uses_with(results[user.args[1]])
         new.graph.erase_node(user)
     new.graph.erase_node(bn)
-    ours = {name for stage in stages for name in stage}
-    stages[4] += [nd.name for nd in new.graph.nodes
-                  if nd.op == "call_function" and nd.name not in ours]
-    new.graph.eliminate_dead_code()
-    order = {nd.name: i for i, nd in enumerate(new.graph.nodes)}
-    stages = [sorted((s for s in stage if s in order), key=order.__getitem__)
-              for stage in stages]
-    new.graph.lint()
-    new.recompile()
-    _propagate_metas(new)
-    return StatsSplit(new, [s for s in stages if s], groups)
 
 
 # BatchNorm's input may be computed in the region by at most this many pointwise/view ops

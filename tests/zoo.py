@@ -44,6 +44,23 @@ class ResidualBlock(nn.Module):
         return F.relu(y + x)
 
 
+class DownsampleBlock(nn.Module):
+    """A ResNet basic block whose shortcut is a 1x1 convolution and a BatchNorm."""
+
+    def __init__(self, cin=4, cout=8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + self.down(x))
+
+
 class DepthwiseSeparable(nn.Module):
     def __init__(self, c_in=8, c_out=16):
         super().__init__()
@@ -202,6 +219,7 @@ def zoo() -> dict[str, tuple[type, callable]]:
         "mlp": (MLP, lambda b: [torch.randn(b, 32)]),
         "conv_bn_relu": (ConvBNReLU, lambda b: [torch.randn(b, 3, 12, 12)]),
         "residual_block": (ResidualBlock, lambda b: [torch.randn(b, 8, 10, 10)]),
+        "residual_downsample": (DownsampleBlock, lambda b: [torch.randn(b, 4, 10, 10)]),
         "depthwise_separable": (DepthwiseSeparable, lambda b: [torch.randn(b, 8, 10, 10)]),
         "transformer_block": (TransformerBlock, lambda b: [torch.randn(b, 8, 32)]),
         "manual_attention": (ManualAttention, lambda b: [torch.randn(b, 6, 16)]),
