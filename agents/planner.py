@@ -267,28 +267,39 @@ def _defer_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
     the graph returns, or that several regions read, stays too."""
     from stitch_backend.lt_ops import activation_epilogue
 
+    def movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open) -> bool:
+        classes = [classify(n) for n in epi]
+        compute = [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
+        return (target.kind is RegionKind.FUSED and bool(compute)
+                and all(c in (OpClass.POINTWISE, OpClass.VIEW) for c in classes)
+                and activation_epilogue(compute[0]) is None)
+
+    _move_to_sole_reader(gm, regions, RegionKind.GEMM, OpClass.GEMM, movable, returned_ok=False)
+
+
+def _move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: RegionKind,
+                         anchor_class: OpClass, movable, returned_ok: bool) -> None:
+    """For each ``kind`` region with one ``anchor_class`` node: where one later region
+    alone reads what follows the anchor (the graph's output aside, with ``returned_ok``)
+    and ``movable(anchor, epilogue, that region)``, the epilogue moves there."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
     for i, region in enumerate(regions):
-        if region.kind is not RegionKind.GEMM:
+        if region.kind is not kind:
             continue
-        anchors = [n for n in region.nodes if classify(n) is OpClass.GEMM]
+        anchors = [n for n in region.nodes if classify(n) is anchor_class]
         if len(anchors) != 1:
             continue
         epi = sorted((n for n in region.nodes if order[n] > order[anchors[0]]),
                      key=order.__getitem__)
-        classes = [classify(n) for n in epi]
-        compute = [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
-        if (not compute or any(c not in (OpClass.POINTWISE, OpClass.VIEW) for c in classes)
-                or activation_epilogue(compute[0]) is not None):
-            continue
         members = set(epi)
-        readers = {u for n in epi for u in n.users if u not in members}
+        readers = {u for n in epi for u in n.users
+                   if u not in members and not (returned_ok and u.op == "output")}
         targets = {owner.get(u, -1) for u in readers}
         if len(targets) != 1:
             continue
         (j,) = targets
-        if j <= i or regions[j].kind is not RegionKind.FUSED:
+        if j <= i or not movable(anchors[0], epi, regions[j]):
             continue
         region.nodes = [n for n in region.nodes if n not in members]
         regions[j].nodes += epi
@@ -312,38 +323,19 @@ def _defer_norms(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
     from the two convolutions' outputs (``agents.split_stats`` splits every BatchNorm
     of a region). Only a BatchNorm of the convolution's own output, with nothing else
     in the epilogue, moves; the running statistics stay graph outputs."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
-    for i, region in enumerate(regions):
-        if region.kind is not RegionKind.CONV:
-            continue
-        anchors = [n for n in region.nodes if classify(n) is OpClass.CONV]
-        if len(anchors) != 1:
-            continue
-        conv = anchors[0]
-        epi = [n for n in region.nodes if order[n] > order[conv]]
+
+    def movable(conv: torch.fx.Node, epi: list[torch.fx.Node], target: _Open) -> bool:
         bns = [n for n in epi if op_name(n) == _BN_TRAIN]
-        if len(bns) != 1 or bns[0].args[0] is not conv or len(conv.users) != 1:
-            continue
-        bn = bns[0]
-        if any(n is not bn and not (n.target is operator.getitem and n.args[0] is bn)
+        if (target.kind is not RegionKind.CONV or len(bns) != 1 or bns[0].args[0] is not conv
+                or len(conv.users) != 1):
+            return False
+        if any(n is not bns[0] and not (n.target is operator.getitem and n.args[0] is bns[0])
                for n in epi):
-            continue
-        members = set(epi)
-        readers = {u for n in epi for u in n.users if u not in members and u.op != "output"}
-        targets = {owner.get(u, -1) for u in readers}
-        if len(targets) != 1:
-            continue
-        (j,) = targets
-        if j <= i or regions[j].kind is not RegionKind.CONV:
-            continue
-        theirs = [n for n in regions[j].nodes if op_name(n) == _BN_TRAIN]
-        if len(theirs) != 1 or not _same_layout(theirs[0].args[0], conv):
-            continue
-        region.nodes = [n for n in region.nodes if n not in members]
-        regions[j].nodes += epi
-        for n in epi:
-            owner[n] = j
+            return False
+        theirs = [n for n in target.nodes if op_name(n) == _BN_TRAIN]
+        return len(theirs) == 1 and _same_layout(theirs[0].args[0], conv)
+
+    _move_to_sole_reader(gm, regions, RegionKind.CONV, OpClass.CONV, movable, returned_ok=True)
 
 
 def _same_layout(a, b) -> bool:
