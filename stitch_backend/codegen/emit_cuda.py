@@ -175,7 +175,6 @@ def _emit_pointwise(ir: KernelIR) -> Emitted:
 # A transposing region is tiled when both of its tile axes are at least this long.
 TILE = 32
 TILE_ROWS = 8      # the block is TILE x TILE_ROWS threads: each moves TILE / TILE_ROWS
-TILE_UNROLL = True  # module switch for side-by-side timing (kb/tune scratch scripts)
 
 
 def transpose_axes(ir: KernelIR) -> tuple[sympy.Symbol, sympy.Symbol] | None:
@@ -259,12 +258,9 @@ def _emit_tiled(k: _Kernel, ir: KernelIR, a: sympy.Symbol, b: sympy.Symbol) -> E
     # together instead of one after the other
     for phase, guard in ((load, "a0 + j < n_a && b0 + tx < n_b"),
                          (store, "a0 + tx < n_a && b0 + j < n_b")):
-        if TILE_UNROLL:
-            L.append("    #pragma unroll")
-            L.append(f"    for (int jj = 0; jj < {TILE // TILE_ROWS}; ++jj) {{")
-            L.append(f"      const int j = ty + jj * {TILE_ROWS};")
-        else:
-            L.append(f"    for (int j = ty; j < {TILE}; j += {TILE_ROWS}) {{")
+        L.append("    #pragma unroll")
+        L.append(f"    for (int jj = 0; jj < {TILE // TILE_ROWS}; ++jj) {{")
+        L.append(f"      const int j = ty + jj * {TILE_ROWS};")
         L.append(f"      if (!({guard})) continue;")
         L += phase.render()
         L.append("    }")
@@ -309,14 +305,12 @@ def _pointwise_body(k: _Kernel, ir, vars_, vec, vloads, vstores, ind, root) -> l
     return lines
 
 
-def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=None,
-                  values=None):
+def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=None):
     """One VEC-wide chunk along ``var``: vector loads, ``body(inner)`` for each of the
     VEC elements (it fills the ``vstores`` lanes through ``_store_lane``), vector stores.
     Both templates use it. ``cached`` (the reduction template's persistent rows): load
     name -> "fill" (load, and keep in the register array ``c_NAME[j]``) or "use" (read
-    ``c_NAME[j]``, loaded by an earlier pass over the row); ``values`` the same for
-    computed values: expr -> ("fill" | "use", register array name)."""
+    ``c_NAME[j]``, loaded by an earlier pass over the row)."""
     b0 = sympy.Symbol(f"{var}_0")
     cached = cached or {}
     for load, name in vloads.items():
@@ -336,14 +330,7 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     inner.pre.append(f"{ind}  const {k.IDX} {var} = {var}_0 + v;")
     em.overrides = {ld: f"sfk_val({name}.v[v])" for ld, name in vloads.items()}
     em.override_deps = {var, sympy.Symbol("v")}
-    values = values or {}
-    for e, (mode, name) in values.items():
-        if mode == "use":
-            inner.names[e] = f"{name}[j].v[v]"
     body(inner)
-    for e, (mode, name) in values.items():
-        if mode == "fill":
-            inner.lines.append(f"{inner.ind}{name}[j].v[v] = {em.value(e, inner)};")
     scope.lines += [f"{ind}#pragma unroll", f"{ind}for (int v = 0; v < {vec}; ++v) {{"]
     scope.lines += inner.render()
     scope.lines.append(f"{ind}}}")

@@ -138,53 +138,6 @@ def _persistent_passes(k: _Kernel, ir: KernelIR, vec: int, vloads: dict,
     return plan
 
 
-# Values a persistent row's last reduction pass computes and its element stores compute
-# again are kept in registers too where they cost a math function (softmax's
-# exp(x - max), summed and then stored divided by the sum): the store pass reads them
-# instead of computing them a second time.
-CACHE_VALUES = True    # module switch for side-by-side timing (kb/tune scratch scripts)
-_COSTLY = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh", "erf",
-                     "erfc", "sin", "cos", "tan", "sinh", "cosh", "pow", "sigmoid"})
-
-
-def _cached_values(ir: KernelIR, vec: int, phases: list[int], elem_stores: list,
-                   regs: int) -> tuple[list[dict], list[tuple[str, str]]]:
-    """For each pass over a row, the values it keeps ({expr: ("fill", name)}) or reads
-    back ({expr: ("use", name)}), and the register arrays to declare (C type, name):
-    the largest sub-expressions of the last reduction pass that the element stores
-    compute again, that read the row and call a costly math function, while the
-    thread's cached registers stay within PERSIST_REGS (``regs`` taken by loads)."""
-    plans: list[dict] = [{} for _ in range(len(phases) + bool(elem_stores))]
-    if not phases or not elem_stores or not CACHE_VALUES:
-        return plans, []
-    last = [r.body for r in ir.inner_reductions if r.phase == phases[-1]]
-    stored = set(walk([st.value for st in elem_stores]))
-
-    def worth(e) -> bool:
-        if isinstance(e, Load) or not hasattr(e, "args"):
-            return False
-        sub = walk([e])
-        return (any(isinstance(n, Load) for n in sub)
-                and any(getattr(n, "name", None) in _COSTLY for n in sub))
-
-    shared = [e for e in walk(last) if e in stored and worth(e)]
-    inside = {c for e in shared for c in walk([e]) if c is not e}
-    decls: list[tuple[str, str]] = []
-    for e in shared:
-        if e in inside:
-            continue
-        ct = compute_ctype(e.dtype)
-        cost = max(1, vec * (8 if ct in ("double", "long long") else 4) // 4) * PERSIST_CHUNKS
-        if regs + cost > PERSIST_REGS:
-            break
-        regs += cost
-        name = f"c_val{len(decls)}"
-        decls.append((ct, name))
-        plans[len(phases) - 1][e] = ("fill", name)
-        plans[len(phases)][e] = ("use", name)
-    return plans, decls
-
-
 def emit_reduction(ir: KernelIR) -> Emitted:
     k = _Kernel(ir)
     d = ir.domain
@@ -252,20 +205,13 @@ def emit_reduction(ir: KernelIR) -> Emitted:
         extra = f" && (Kr % {vec} == 0)" if d.red_limit is not None else ""
         row.pre.append(f"    const bool vec_row = vec_ok{extra};")
     inner_flag = "true" if layout == "inner" else "false"
-    values: list[dict] = []
     if persist:
         row.pre.append(f"    const bool persist_row = vec_row && Kr <= ({IDX})TK * "
                        f"{vec * PERSIST_CHUNKS};")
-        regs = 0
         for ld, name in vloads.items():
             if any(name in modes for modes in persist):
                 row.pre.append(f"    sfk_vec<{k.ptr[ld.buf]}, {vec}> c_{name}[{PERSIST_CHUNKS}];")
-                regs += max(1, vec * _BYTES.get(k.ptr[ld.buf], 8) // 4) * PERSIST_CHUNKS
-        values, decls = _cached_values(ir, vec, phases, elem_stores, regs)
-        for ct, name in decls:
-            row.pre.append(f"    sfk_vec<{ct}, {vec}> {name}[{PERSIST_CHUNKS}];")
     passes = iter(persist or [])
-    kept = iter(values)
     for p in phases:
         reds = [r for r in ir.inner_reductions if r.phase == p]
         for r in reds:
@@ -280,7 +226,7 @@ def emit_reduction(ir: KernelIR) -> Emitted:
                     val = f"sfk_argpair<{ct}>{{{val}, (long long)({idx})}}"
                 scope.lines.append(f"{scope.ind}acc{r.rid} = {_op_functor(r, ct)}(acc{r.rid}, {val});")
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
-                 next(passes, None), next(kept, None))
+                 next(passes, None))
         for r in reds:
             ct = compute_ctype(r.dtype)
             row.lines.append(f"    acc{r.rid} = sfk_group_reduce(acc{r.rid}, {_op_functor(r, ct)}, "
@@ -293,7 +239,7 @@ def emit_reduction(ir: KernelIR) -> Emitted:
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, vstores if has_vec else {}, conds,
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
-                 next(passes, None), next(kept, None))
+                 next(passes, None))
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -306,13 +252,11 @@ def emit_reduction(ir: KernelIR) -> Emitted:
                    workspaces, names, max_threads)
 
 
-def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None,
-             values=None):
+def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None):
     """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
     with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
     variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
-    arrays of cached loads (and ``values``, this pass's entry of ``_cached_values``) are
-    indexed by constants.
+    arrays of cached loads are indexed by constants.
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -351,7 +295,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 for st, name in vstores.items():
                     _store_lane(k, em, inner, st, name)
             _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind,
-                          cached if persistent else None, values if persistent else None)
+                          cached if persistent else None)
         else:
             cind = ind + "  "
             if vec > 1:

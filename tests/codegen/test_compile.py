@@ -110,21 +110,3 @@ def test_rows_read_by_several_passes_are_read_once_into_registers():
         other = generate(by_name[name].trace(), name)
         assert "persist_row" not in other.source, name
         assert "__launch_bounds__(1024)" in other.source and other.emitted.max_threads == 1024
-
-
-def test_a_persistent_rows_exponentials_are_kept_for_its_output_pass():
-    """Softmax's sum pass computes exp(x - max) and keeps it in registers; the output
-    pass divides the kept values instead of calling expf again (the streaming paths
-    still compute it in each pass). Layer norm, whose shared values cost no math
-    function, keeps none."""
-    by_name = {c.name: c for c in CASES + BIG}
-    src = generate(by_name["big_softmax"].trace(), "big_softmax").source
-    persistent = src.split("if (persist_row) {")
-    assert len(persistent) == 4                          # max, sum, output passes
-    assert "c_val0[j].v[v] = " in persistent[2] and "expf(" in persistent[2]
-    store = persistent[3].split("} else if (vec_row) {")[0]
-    assert "expf(" not in store and "c_val0[j].v[v]" in store
-    norms = [c for c in CASES + BIG if "layer_norm" in c.name]
-    assert norms
-    for case in norms:
-        assert "c_val" not in generate(case.trace(), case.name).source, case.name
