@@ -333,7 +333,19 @@ def _defer_norms(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
                for n in epi):
             return False
         theirs = [n for n in target.nodes if op_name(n) == _BN_TRAIN]
-        return len(theirs) == 1 and _same_layout(theirs[0].args[0], conv)
+        anchors = [n for n in target.nodes if classify(n) is OpClass.CONV]
+        if len(theirs) != 1 or len(anchors) != 1 or not _same_layout(theirs[0].args[0], conv):
+            return False
+        # read by the target's epilogue, not by its convolution (or what feeds it): the
+        # BatchNorm would otherwise run before the library call, on ATen
+        inside = set(target.nodes)
+        feeding, stack = {anchors[0]}, [anchors[0]]
+        while stack:
+            for d in stack.pop().all_input_nodes:
+                if d in inside and d not in feeding:
+                    feeding.add(d)
+                    stack.append(d)
+        return not any(u in feeding for n in epi for u in n.users)
 
     _move_to_sole_reader(gm, regions, RegionKind.CONV, OpClass.CONV, movable, returned_ok=True)
 

@@ -89,3 +89,24 @@ def test_a_batchnorm_read_elsewhere_too_stays():
     rec, _ = _compiled(model, torch.randn(2, 4, 8, 8))
     convs = [r for r in rec.plan.regions if r.kind.value == "conv"]
     assert [_node_ops(rec, r).count(BN) for r in convs] == [1, 1, 1]
+
+
+def test_a_batchnorm_the_next_convolution_reads_stays():
+    """conv, BatchNorm, conv of the same shape, BatchNorm: the second convolution's
+    region reads the first BatchNorm as its input, not in its epilogue, so it stays
+    (moved, it would run before the library call, on ATen)."""
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.c2 = torch.nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.b1, self.b2 = torch.nn.BatchNorm2d(8), torch.nn.BatchNorm2d(8)
+
+        def forward(self, x):
+            return self.b2(self.c2(self.b1(self.c1(x))))
+
+    torch.manual_seed(0)
+    rec, _ = _compiled(Chain().train(), torch.randn(2, 8, 8, 8))
+    convs = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    assert [_node_ops(rec, r).count(BN) for r in convs] == [1, 1]

@@ -98,9 +98,14 @@ def test_replayed_outputs_are_handed_over_without_a_copy_unless_kept(monkeypatch
         (rec,) = backend.records
         replay = rec.program.replay
         assert replay is not None and replay.graph is not None, rec.notes
-        assert replay.reused >= 3 and replay.moved == 0, (replay.reused, replay.moved)
+        # (the first replay's outputs were held while it timed further replays: moved)
+        reused, moved = replay.reused, replay.moved
+        for x in xs[:4]:
+            torch.testing.assert_close(compiled(x).sum(), model(x).sum(), atol=1e-3, rtol=1e-4)
+        assert (replay.reused, replay.moved) == (reused + 4, moved)
+        moved = replay.moved
         kept = [compiled(x) for x in xs]               # results kept
-        assert replay.moved >= len(xs) - 1
+        assert replay.moved - moved == len(xs) - 1
         views = [compiled(x)[:, :4] for x in xs[:2]]   # views of results kept
         assert replay.abandoned >= 1
         for x, y in zip(xs, kept):
