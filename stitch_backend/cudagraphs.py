@@ -421,15 +421,15 @@ def _alias(value: Any, found: list[torch.Tensor]) -> Any:
 
 def _move_out(alias: torch.Tensor) -> bool:
     """Point ``alias`` (an output the user kept) at a copy of its values in memory of
-    its own, same sizes and strides; False where that cannot be done (overlapping
-    elements, a tensor autograd tracks, a failing ``set_``)."""
-    if alias.requires_grad or _overlapping(alias):
+    its own, with the copy's sizes and strides (``_clone``'s: the same, except that an
+    expanded output becomes dense); False where that cannot be done (a tensor autograd
+    tracks, a failing ``set_``)."""
+    if alias.requires_grad:
         return False
-    copy = torch.empty_strided(alias.size(), alias.stride(), dtype=alias.dtype,
-                               device=alias.device).copy_(alias)
+    copy = _clone(alias)
     try:
         with torch.inference_mode(alias.is_inference()):
-            alias.set_(copy.untyped_storage(), 0, alias.size(), alias.stride())
+            alias.set_(copy.untyped_storage(), copy.storage_offset(), copy.size(), copy.stride())
     except RuntimeError as err:
         log.debug("could not move a kept output out of the graph's buffer: %s", err)
         return False

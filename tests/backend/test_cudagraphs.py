@@ -306,6 +306,15 @@ def test_outputs_nobody_holds_are_reused_and_kept_ones_moved_out():
     assert replay._release_outputs()
 
 
+def test_a_kept_expanded_output_is_moved_out_dense():
+    own = [torch.randn(4, 1).expand(4, 5)]
+    replay = _handing_replay(own)
+    out = replay._hand_over()
+    assert replay._release_outputs() and replay.moved == 1
+    assert out[0].is_contiguous() and torch.equal(out[0], own[0])
+    assert out[0].data_ptr() != own[0].data_ptr()
+
+
 def test_kept_inference_tensors_are_moved_out_too():
     with torch.inference_mode():
         own = [torch.randn(4, 4)]
