@@ -218,7 +218,7 @@ class GraphReplay:
     def _release_outputs(self) -> bool:
         """Whether the graph may overwrite its output buffers: nobody holds the aliases
         the last call handed over, or those held were moved to memory of their own and
-        nothing else holds the buffers (False: a view or a storage of one is held)."""
+        nothing else holds the buffers (False: a view of one is held)."""
         handed, self._handed = self._handed, []
         busy = [i for i, t in enumerate(self._flat_own) if _use_count(t) > self._baseline[id(t)]]
         if not busy:
