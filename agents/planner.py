@@ -44,7 +44,7 @@ from stitch_backend.ir import Plan, Region, RegionKind
 from stitch_backend.layout import CONVERSION as LAYOUT_CONVERSION
 from stitch_backend.pooling import POOLING
 from stitch_backend.opclass import OpClass, classify, fallback_reason, op_name
-from stitch_backend.regions import boundary
+from stitch_backend.regions import boundary, feeding
 
 log = logging.getLogger("stitch_backend.agents.planner")
 
@@ -338,14 +338,8 @@ def _defer_norms(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
             return False
         # read by the target's epilogue, not by its convolution (or what feeds it): the
         # BatchNorm would otherwise run before the library call, on ATen
-        inside = set(target.nodes)
-        feeding, stack = {anchors[0]}, [anchors[0]]
-        while stack:
-            for d in stack.pop().all_input_nodes:
-                if d in inside and d not in feeding:
-                    feeding.add(d)
-                    stack.append(d)
-        return not any(u in feeding for n in epi for u in n.users)
+        head = feeding(anchors[0], set(target.nodes)) | {anchors[0]}
+        return not any(u in head for n in epi for u in n.users)
 
     _move_to_sole_reader(gm, regions, RegionKind.CONV, OpClass.CONV, movable, returned_ok=True)
 

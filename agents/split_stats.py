@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx
@@ -131,12 +132,22 @@ def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
     new.graph.lint()
     new.recompile()
     _propagate_metas(new)
-    return StatsSplit(new, [s for s in stages if s], plans[0][-1])
+    return StatsSplit(new, [s for s in stages if s], plans[0].groups)
 
 
-def _plan(bn: torch.fx.Node, sm_count: int, contiguous: bool
-          ) -> tuple[int, int, int, int, bool, int] | None:
-    """(N, C, H, W, channels-last, groups) for splitting ``bn``; None where it does not
+class _SplitPlan(NamedTuple):
+    """How one BatchNorm's input is split: its sizes, layout and partial sums a channel."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    channels_last: bool
+    groups: int
+
+
+def _plan(bn: torch.fx.Node, sm_count: int, contiguous: bool) -> _SplitPlan | None:
+    """The split of ``bn``'s statistics; None where it does not
     apply (eval mode, not 4-D fp32 of static sizes, an input the stages cannot
     recompute, channels enough for one kernel)."""
     x, weight, bias, rmean, rvar, training, momentum, eps = bn.args
@@ -158,10 +169,10 @@ def _plan(bn: torch.fx.Node, sm_count: int, contiguous: bool
         return None
     if groups is None or n * h * w < 2:
         return None
-    return n, c, h, w, channels_last, groups
+    return _SplitPlan(n, c, h, w, channels_last, groups)
 
 
-def _rewrite(new: torch.fx.GraphModule, bn: torch.fx.Node, plan: tuple,
+def _rewrite(new: torch.fx.GraphModule, bn: torch.fx.Node, plan: _SplitPlan,
              stages: list[list[str]], single_pass: bool) -> None:
     """Replace ``bn`` in ``new`` by its two-level statistics (node names appended to
     ``stages[0..3]``) and its normalisation (``stages[4]``)."""

@@ -18,15 +18,16 @@ each result, KernelBench's timing): the graph overwrites them. Still held: each 
 output is moved to memory of its own (copied, and the user's tensor pointed at the copy,
 ``Tensor.set_``) before the graph runs, so a later call never overwrites what the user
 holds. Where something else also holds the buffer (a view of an output), it cannot be
-moved: the graph and its buffers are left to the user and the Program is captured again; after ABANDON_LIMIT such recaptures each replay's outputs are cloned
-instead, as they were before (0.066 ms of the L3 ResNetBasicBlock's 0.77 ms call on the
-H200 was that clone). What this cannot see: a Python storage object of an output
+moved: the graph and its buffers are left to the user and the Program is captured
+again; after ABANDON_LIMIT such recaptures each replay's outputs are cloned instead, as
+they were before (0.066 ms of the L3 ResNetBasicBlock's 0.77 ms call on the H200 was
+that clone). What this cannot see: a Python storage object of an output
 (``out.untyped_storage()``) kept after every tensor of it is dropped; torch's storage
 reference count does not include those (Inductor's CUDA graphs read the same count).
 
 The input copies make a replay slower than an uncaptured run for a few kernels over
 large tensors; the first replay is therefore timed against an uncaptured run, and replay
-stays on only where it is not slower.
+stays on unless running uncaptured is faster by more than REPLAY_MARGIN.
 """
 
 from __future__ import annotations
@@ -162,10 +163,11 @@ class GraphReplay:
         self.captured_ptrs: list[int] = []
         # Outputs handed over without a copy: the graph's output tensors (flattened),
         # weak references to the aliases the last call handed over, and the reference
-        # counts of their storages before it did (what "nobody else holds them" reads).
+        # counts of those tensors' storages before it did, in the same order (what
+        # "nobody else holds them" reads).
         self._flat_own: list[torch.Tensor] = []
         self._handed: list[weakref.ref] = []
-        self._baseline: dict[int, int] = {}
+        self._baseline: list[int] = []
         self.clone_outputs = False
         self.abandoned = 0
         self.reused = 0       # replays into buffers nobody held any more
@@ -209,7 +211,7 @@ class GraphReplay:
         ABANDON_LIMIT recaptures), remembered for the next call's look."""
         if self.clone_outputs:
             return _clone(self._own)
-        self._baseline = {id(t): _use_count(t) for t in self._flat_own}
+        self._baseline = [_use_count(t) for t in self._flat_own]
         handed: list[torch.Tensor] = []
         out = _alias(self._own, handed)
         self._handed = [weakref.ref(t) for t in handed]
@@ -220,7 +222,8 @@ class GraphReplay:
         the last call handed over, or those held were moved to memory of their own and
         nothing else holds the buffers (False: a view of one is held)."""
         handed, self._handed = self._handed, []
-        busy = [i for i, t in enumerate(self._flat_own) if _use_count(t) > self._baseline[id(t)]]
+        own, baseline = self._flat_own, self._baseline
+        busy = [i for i, t in enumerate(own) if _use_count(t) > baseline[i]]
         if not busy:
             self.reused += 1
             return True
@@ -231,8 +234,7 @@ class GraphReplay:
                     return False
                 self.moved += 1
             del alias
-        return all(_use_count(self._flat_own[i]) <= self._baseline[id(self._flat_own[i])]
-                   for i in busy)
+        return all(_use_count(own[i]) <= baseline[i] for i in busy)
 
     def _abandon(self, inputs: list[torch.Tensor]) -> None:
         """Leave the graph and its output buffers to whoever still holds them (they are
@@ -289,10 +291,9 @@ class GraphReplay:
     def _slower_than_uncaptured(self, inputs: list[torch.Tensor],
                                 targets: list[torch.Tensor]) -> str | None:
         """Why replaying is the slower way to run this Program, if it is: a replay also
-        copies the inputs in and the outputs out, which for a few kernels over large
-        tensors costs more than the launches it saves, and cuDNN may choose other
-        algorithms while capturing (a graph of large convolutions replayed 10% slower,
-        seen on the H200). Whichever is faster is kept (replay, within REPLAY_MARGIN);
+        copies the inputs in, which for a few kernels over large tensors costs more than
+        the launches it saves, and cuDNN may choose other algorithms while capturing (a
+        graph of large convolutions replayed 10% slower, seen on the H200). Whichever is faster is kept (replay, within REPLAY_MARGIN);
         where that is running uncaptured, the Program is also timed with every region on
         ATen, and where that is faster still, its generated kernels are set aside (a
         kernel faster alone can lose in context). Timed here, on the user's inputs; the
@@ -352,8 +353,7 @@ class GraphReplay:
             self.captured_ptrs = [x.data_ptr() for x in inputs]
             self.graph, self.static_outputs = capture(self._captured_run)
             self._own, values = split_outputs(self.static_outputs, self.program.writebacks)
-            self._flat_own = []
-            _alias(self._own, self._flat_own)   # collects the tensors (the aliases are dropped)
+            self._flat_own = _tensors(self._own)
             self._handed = []
             self._outside = self._by_place(values)[1]
             self._copied = [i for i in range(len(inputs)) if i not in self.static_indices]
@@ -403,8 +403,18 @@ class NotCaptured(Exception):
 
 
 def _use_count(t: torch.Tensor) -> int:
-    """References to ``t``'s storage (tensors and storage objects sharing its memory)."""
+    """References to ``t``'s storage: the tensors sharing its memory (Python storage
+    objects are not counted)."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of ``value`` (nested lists and tuples), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _alias(value: Any, found: list[torch.Tensor]) -> Any:

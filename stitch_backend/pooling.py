@@ -155,8 +155,9 @@ def _before_the_permute(graph: torch.fx.Graph, reduced: torch.fx.Node, pooled: t
         nd.replace_all_uses_with(back)
     for nd in reversed(cone):       # the originals, and permutes only they read
         graph.erase_node(nd)
+    moved_nodes = set(nhwc.values())
     for nd in list(graph.nodes):
-        if nd.target is aten.permute.default and not nd.users and nd.args[0] in nhwc.values():
+        if nd.target is aten.permute.default and not nd.users and nd.args[0] in moved_nodes:
             graph.erase_node(nd)
 
 

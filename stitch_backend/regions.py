@@ -118,6 +118,19 @@ def boundary(gm: torch.fx.GraphModule, names: list[str]) -> tuple[list[str], lis
     return inputs, outputs
 
 
+def feeding(anchor: torch.fx.Node, inside: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes of ``inside`` that ``anchor`` reads, directly or through others of
+    ``inside`` (the views feeding a library call); ``anchor`` excluded."""
+    found: set[torch.fx.Node] = set()
+    stack = [anchor]
+    while stack:
+        for d in stack.pop().all_input_nodes:
+            if d in inside and d not in found:
+                found.add(d)
+                stack.append(d)
+    return found
+
+
 def split_anchor(gm: torch.fx.GraphModule, region: Region,
                  anchor_ops: frozenset) -> tuple[Region, Region] | None:
     """Cut a gemm/conv region into its library call (the anchor op and the views that
@@ -127,14 +140,8 @@ def split_anchor(gm: torch.fx.GraphModule, region: Region,
     anchor = next((n for n in region.nodes if nodes[n].target in anchor_ops), None)
     if anchor is None:
         return None
-    feeding = set()
-    stack = [nodes[anchor]]
-    while stack:
-        for d in stack.pop().all_input_nodes:
-            if d.name in region.nodes and d.name not in feeding:
-                feeding.add(d.name)
-                stack.append(d)
-    head = [n for n in region.nodes if n == anchor or n in feeding]
+    feeds = {d.name for d in feeding(nodes[anchor], {nodes[n] for n in region.nodes})}
+    head = [n for n in region.nodes if n == anchor or n in feeds]
     tail = [n for n in region.nodes if n not in head]
     if not tail:
         return None

@@ -265,11 +265,11 @@ def _handing_replay(outputs):
     """A GraphReplay whose 'graph' produced ``outputs`` (the handover logic alone)."""
     from types import SimpleNamespace
 
-    from stitch_backend.cudagraphs import GraphReplay, _alias
+    from stitch_backend.cudagraphs import GraphReplay, _tensors
 
     replay = GraphReplay(SimpleNamespace(notes_sink=[], writebacks=[]), set())
     replay._own = outputs
-    _alias(outputs, replay._flat_own)
+    replay._flat_own = _tensors(outputs)
     return replay
 
 
@@ -333,9 +333,8 @@ def test_after_views_were_kept_twice_outputs_are_cloned(monkeypatch):
     captured = []
     monkeypatch.setattr(replay, "_capture", lambda inputs: captured.append(inputs))
     for _ in range(2):
-        replay._own, replay._flat_own = own, []
-        from stitch_backend.cudagraphs import _alias
-        _alias(own, replay._flat_own)
+        from stitch_backend.cudagraphs import _tensors
+        replay._own, replay._flat_own = own, _tensors(own)
         view = replay._hand_over()[0][1:]
         assert not replay._release_outputs()
         replay._abandon(["x"])
