@@ -243,6 +243,11 @@ class GraphReplay:
         self.abandoned += 1
         self.graph = self.static_outputs = self._own = None
         self._flat_own = []
+        why = ("an earlier call's outputs are still held through a view (or could not be "
+               "moved to memory of their own), so the graph's buffers were left to them")
+        log.info("stitchcuda: %s captured again: %s", self.program.plan.graph_name, why)
+        self.program.notes_sink.append(f"CUDA graph captured again ({self.abandoned} of "
+                                       f"{ABANDON_LIMIT}): {why}")
         if self.abandoned >= ABANDON_LIMIT and not self.clone_outputs:
             self.clone_outputs = True
             self.program.notes_sink.append(

@@ -267,7 +267,8 @@ def _handing_replay(outputs):
 
     from stitch_backend.cudagraphs import GraphReplay, _tensors
 
-    replay = GraphReplay(SimpleNamespace(notes_sink=[], writebacks=[]), set())
+    replay = GraphReplay(SimpleNamespace(notes_sink=[], writebacks=[],
+                                         plan=SimpleNamespace(graph_name="g")), set())
     replay._own = outputs
     replay._flat_own = _tensors(outputs)
     return replay
@@ -341,6 +342,8 @@ def test_after_views_were_kept_twice_outputs_are_cloned(monkeypatch):
         del view
     assert captured == [["x"], ["x"]] and replay.clone_outputs
     assert any("cloned from now on" in n for n in replay.program.notes_sink)
+    again = [n for n in replay.program.notes_sink if n.startswith("CUDA graph captured again")]
+    assert len(again) == 2 and "still held through a view" in again[0], again
     replay._own = own
     out = replay._hand_over()
     assert out[0].data_ptr() != own[0].data_ptr() and torch.equal(out[0], own[0])
