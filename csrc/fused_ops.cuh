@@ -133,48 +133,6 @@ template <typename T, bool MAX> struct sfk_op_arg {
   }
 };
 
-// (max, sum of exp(x - max)) of softmax's row in one pass ("online" softmax): two
-// partial pairs combine by rescaling each sum to the larger maximum. A partial of only
-// -inf elements keeps its count as its sum, and contributes exp(-inf - m) = 0 to a pair
-// with a finite maximum; a row of only -inf then ends with max -inf and a nonzero sum,
-// so its softmax is exp(-inf - -inf) / s = NaN, as eager's. NaN propagates through the
-// maximum (sfk_maximum), and through the sum from there.
-template <typename T> struct sfk_mspair {
-  T m;
-  T s;
-};
-__device__ __forceinline__ float sfk_exp_(float x) { return expf(x); }
-__device__ __forceinline__ double sfk_exp_(double x) { return exp(x); }
-__device__ __forceinline__ float sfk_inf_like(float) { return SFK_INF_F; }
-__device__ __forceinline__ double sfk_inf_like(double) { return SFK_INF_D; }
-template <typename T> struct sfk_op_online {
-  __device__ __forceinline__ sfk_mspair<T> operator()(sfk_mspair<T> a, sfk_mspair<T> b) const {
-    const T m = sfk_maximum(a.m, b.m);
-    if (m == -sfk_inf_like(m)) return sfk_mspair<T>{m, a.s + b.s};
-    const T sa = a.s == T(0) ? T(0) : a.s * sfk_exp_(a.m - m);
-    const T sb = b.s == T(0) ? T(0) : b.s * sfk_exp_(b.m - m);
-    return sfk_mspair<T>{m, sa + sb};
-  }
-};
-
-// One element into a pair: one exp an element (the sum is rescaled only where the
-// element is a new maximum), the same cases as combining with the pair {x, 1}.
-template <typename T> __device__ __forceinline__ sfk_mspair<T> sfk_online_add(sfk_mspair<T> a, T x) {
-  if (x > a.m) {                                   // a new maximum (not NaN)
-    // exp(x - x): 1, or NaN for x = +inf, as eager's exp(x - max) there
-    a.s = (a.s == T(0) ? T(0) : a.s * sfk_exp_(a.m - x)) + sfk_exp_(x - x);
-    a.m = x;
-  } else if (x != x) {                             // NaN: the row's softmax is NaN
-    a.m = x;
-    a.s = x;
-  } else if (x == -sfk_inf_like(x)) {              // exp(-inf - m) = 0, unless m is -inf
-    if (a.m == x) a.s += T(1);
-  } else {
-    a.s += sfk_exp_(x - a.m);
-  }
-  return a;
-}
-
 // ----------------------------------------------------------------------------- shuffles
 
 template <typename T> __device__ __forceinline__ T sfk_shfl_xor(T v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
@@ -194,13 +152,6 @@ template <typename T> __device__ __forceinline__ sfk_argpair<T> sfk_shfl_xor(sfk
   sfk_argpair<T> out;
   out.v = sfk_shfl_xor(p.v, m);
   out.i = __shfl_xor_sync(0xffffffffu, p.i, m);
-  return out;
-}
-
-template <typename T> __device__ __forceinline__ sfk_mspair<T> sfk_shfl_xor(sfk_mspair<T> p, int m) {
-  sfk_mspair<T> out;
-  out.m = sfk_shfl_xor(p.m, m);
-  out.s = sfk_shfl_xor(p.s, m);
   return out;
 }
 

@@ -241,14 +241,12 @@ def _logsumexp(ctx, node, x, dims, keepdim=False):
 
 
 def _softmax_parts(ctx, x: LT, dim: int, c: torch.dtype):
-    """(x - max, sum of exp(x - max)) over ``dim``: both statistics in one pass over the
-    row (the ``softmax`` reduction kind), so a softmax reads its row twice, not three
-    times."""
     d = (dim % x.ndim,) if x.ndim else ()
     xa = _map([x], lambda e: cast(e, c), c)
-    m = ctx.reduce("softmax", xa, d, True, c, what="softmax")
+    m = ctx.reduce("max", xa, d, True, c, what="softmax")
     shifted = _map([xa, m], lambda a, b: _op("sub", c, a, b), c)
-    s = ctx.reduce("softmax", xa, d, True, c, part=1, what="softmax")
+    s = ctx.reduce("sum", _map([shifted], lambda e: _op("exp", c, e), c), d, True, c,
+                   what="softmax")
     return shifted, s
 
 
