@@ -92,21 +92,38 @@ def test_reduction_shared_memory_fits_its_widest_accumulator():
 
 
 def test_rows_read_by_several_passes_are_read_once_into_registers():
-    """Softmax reads its row for the maximum, the sum and the output: with a static row
-    that 256 threads cover in 4 chunks each, the first pass keeps the loaded chunks in
-    registers and the later ones read them there (the kernel bounded to 256 threads a
-    block, and launched so); a longer row, or a single pass, streams as before."""
+    """Layer norm reads its row for the mean, the variance and the output: with a static
+    row that 256 threads cover in 4 chunks each, the first pass keeps the loaded chunks
+    in registers and the later ones read them there (the kernel bounded to 256 threads a
+    block, and launched so). A softmax, whose passes call exp on each element, streams
+    (faster so on the H200: emit_reduction's comment), as do a longer row and a single
+    pass."""
     by_name = {c.name: c for c in CASES + BIG}
-    k = generate(by_name["big_softmax"].trace(), "big_softmax")
+    k = generate(by_name["big_layer_norm_f16"].trace(), "big_layer_norm_f16")
     src = k.source
     assert "__launch_bounds__(256)" in src and k.emitted.max_threads == 256
-    assert src.count("(c_vin0_0[j] = sfk_ldv<4>(") == 1      # filled by the max pass
-    assert src.count("= c_vin0_0[j];") == 2                 # the sum and store passes
+    assert src.count("(c_vin0_0[j] = sfk_ldv<") == 1        # filled by the mean pass
+    assert src.count("= c_vin0_0[j];") == 2                 # the variance and store passes
     assert "} else if (vec_row) {" in src                   # the streaming path stays
-    blocks, threads, log2_tk = k.launch_shape(512, 4096)
-    assert threads <= 256 and 4096 // 4 <= 4 * (1 << log2_tk)
+    blocks, threads, log2_tk = k.launch_shape(1024, 768)
+    assert threads <= 256 and 768 // 8 <= 4 * (1 << log2_tk)
 
-    for name in ("big_softmax_long", "red_sum_last"):
+    for name in ("big_softmax", "big_softmax_long", "red_sum_last"):
         other = generate(by_name[name].trace(), name)
         assert "persist_row" not in other.source, name
         assert "__launch_bounds__(1024)" in other.source and other.emitted.max_threads == 1024
+
+
+def test_inner_row_reductions_launch_a_block_per_group_of_rows():
+    """No grid-stride cap at the resident threads for rows reduced along their innermost
+    index (faster so on the H200: fused.launch_shape's comment); above MAX_ROW_BLOCKS
+    blocks, blocks loop over rows."""
+    from stitch_backend.codegen.fused import MAX_ROW_BLOCKS
+
+    by_name = {c.name: c for c in CASES + BIG}
+    k = generate(by_name["big_softmax"].trace(), "big_softmax")
+    assert k.emitted.layout == "inner"
+    blocks, threads, log2_tk = k.launch_shape(524288, 512)
+    rows_a_block = threads >> log2_tk
+    assert blocks * rows_a_block == 524288
+    assert k.launch_shape(1 << 40, 512)[0] == MAX_ROW_BLOCKS
