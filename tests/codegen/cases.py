@@ -219,6 +219,9 @@ NORMS = [
     _c("norm_softmax_f16_to_f32", lambda a: torch.softmax(a, -1, dtype=torch.float32), XH, atol=1e-2),
     _c("norm_softmax_bf16_long", lambda a: torch.softmax(a, -1), T((4, 1000), bf16), atol=1e-2),
     _c("norm_softmax_permuted", lambda a: torch.softmax(a, -1), T((40, 6), perm=(1, 0))),
+    # rows long enough for the one-pass statistics (lower_reductions.ONLINE_SOFTMAX_MIN)
+    _c("norm_softmax_one_pass", lambda a: torch.softmax(a, -1), T((3, 1 << 15))),
+    _c("norm_log_softmax_one_pass", lambda a: torch.log_softmax(a, -1), T((2, 1 << 15))),
     _c("norm_layer_norm", lambda a, w, b: F.layer_norm(a, (40,), w, b), X, T((40,)), T((40,))),
     _c("norm_layer_norm_outputs", lambda a, w, b: torch.ops.aten.native_layer_norm(a, [40], w, b, 1e-5),
        X, T((40,)), T((40,))),
@@ -287,6 +290,8 @@ BIG = [
     _c("big_argmax", lambda a: a.argmax(-1), T((300, 5000))),
     _c("big_group_norm", lambda a, w, b: F.group_norm(a, 8, w, b), T((8, 64, 32, 32)), T((64,)), T((64,))),
     _c("big_softmax_odd", lambda a: torch.softmax(a, -1), T((257, 1001))),
+    _c("big_softmax_one_pass", lambda a: torch.softmax(a, -1), T((64, 1 << 17))),
+    _c("big_log_softmax_one_pass_f16", lambda a: torch.log_softmax(a, -1), T((8, 1 << 16), f16), atol=1e-2),
 ]
 BY_NAME = {c.name: c for c in CASES}
 assert len(BY_NAME) == len(CASES), "duplicate case names"

@@ -127,3 +127,17 @@ def test_inner_row_reductions_launch_a_block_per_group_of_rows():
     rows_a_block = threads >> log2_tk
     assert blocks * rows_a_block == 524288
     assert k.launch_shape(1 << 40, 512)[0] == MAX_ROW_BLOCKS
+
+
+def test_only_long_softmax_rows_take_both_statistics_in_one_pass():
+    """Rows of ONLINE_SOFTMAX_MIN or more take (max, sum of exp) in one reduction and read
+    the row twice; shorter rows, whose second read comes from the L2, and symbolic
+    lengths keep the maximum, then the sum."""
+    by_name = {c.name: c for c in CASES + BIG}
+    for name, one_pass in (("norm_softmax_one_pass", True), ("norm_log_softmax_one_pass", True),
+                           ("big_softmax_one_pass", True), ("big_softmax_long", False),
+                           ("norm_softmax", False), ("dyn_softmax", False)):
+        k = generate(by_name[name].trace(), name)
+        kinds = [r.kind for r in k.ir.reductions]
+        assert ("sfk_online_add" in k.source) == one_pass, name
+        assert kinds == (["softmax"] if one_pass else ["max", "sum"]), (name, kinds)
