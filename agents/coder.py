@@ -53,8 +53,9 @@ class TemplateCoder:
         if library_on_cpu is not None:
             self.library_on_cpu = library_on_cpu
         # Also propose the split-statistics alternative for training BatchNorm over few
-        # channels of a contiguous (NCHW) input (``agents.split_stats``; channels-last
-        # inputs always get it); the Verifier keeps the faster one.
+        # channels of a contiguous (NCHW) input and for layer norm over few rows
+        # (``agents.split_stats``; channels-last inputs always get it); the Verifier
+        # keeps the faster one.
         self.split_stats = split_stats
         # structure key -> kernel or Unsupported: repeated blocks (ResNet stages,
         # transformer layers) and replanning retries generate once per structure
@@ -229,12 +230,14 @@ class TemplateCoder:
     def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
                       tag: str = "") -> list[Candidate]:
         """The split-statistics alternatives (two-pass and single-pass variance) of a region
-        whose (epilogue) part is a training BatchNorm over few channels; none where that
-        does not apply or generate. ``tag`` prefixes their names (another lead stage)."""
-        from .split_stats import BN_TRAIN
+        whose (epilogue) part is a training BatchNorm over few channels or a layer norm
+        over few rows; none where that does not apply or generate. ``tag`` prefixes their
+        names (another lead stage)."""
+        from .split_stats import SPLIT_TARGETS
 
         names = set(part.nodes)
-        if not any(n.target is BN_TRAIN for n in subtask.graph.graph.nodes if n.name in names):
+        if not any(n.target in SPLIT_TARGETS for n in subtask.graph.graph.nodes
+                   if n.name in names):
             return []
         module = region_module(subtask.graph, part)
         found = []
@@ -246,9 +249,9 @@ class TemplateCoder:
 
     def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region, module,
                      single_pass: bool, suffix: str) -> Candidate | None:
-        from .split_stats import split_batchnorm
+        from .split_stats import split_norms
 
-        split = split_batchnorm(module, self.sm_count, contiguous=self.split_stats,
+        split = split_norms(module, self.sm_count, contiguous=self.split_stats,
                                 single_pass=single_pass)
         if split is None:
             return None
