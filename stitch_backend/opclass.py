@@ -82,6 +82,10 @@ VIEW_OPS = _ops(aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.e
                 aten.select, aten.alias, aten.as_strided, aten.split, aten.split_with_sizes,
                 aten.unbind, aten.chunk, aten.narrow, aten.view_as, aten.expand_as,
                 aten.detach, aten.lift_fresh_copy)
+# Pooling: a reduction over each window (``codegen.lower_pooling``), where max pooling's
+# indices are not read (then it stays on ATen, which computes them).
+MAX_POOL_OPS = _ops(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
 # Copy-like ops that are pointwise in effect though not tagged so.
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
                        torch.ops.prims.convert_element_type)
@@ -103,6 +107,8 @@ def classify(node: torch.fx.Node) -> OpClass:
     # dropout replaces them).
     if target in ATTENTION_OPS:
         return OpClass.ATTENTION
+    if target in POOL_OPS:
+        return OpClass.OTHER if target in MAX_POOL_OPS and reads_indices(node) else OpClass.REDUCTION
     if torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM
     for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),
@@ -114,6 +120,19 @@ def classify(node: torch.fx.Node) -> OpClass:
     if torch.Tag.pointwise in tags and not _mutates(target):
         return OpClass.POINTWISE
     return OpClass.OTHER
+
+
+def reads_indices(node: torch.fx.Node) -> bool:
+    """Whether anything reads output 1 (the indices) of multi-output ``node`` (a max
+    pooling) on its way to the graph's outputs, or takes the whole tuple."""
+    return any(u.target is not operator.getitem or (u.args[1] != 0 and _live(u))
+               for u in node.users)
+
+
+def _live(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches the graph's output (a traced graph keeps the
+    getitem of an output nobody uses, and views of it)."""
+    return node.op == "output" or any(_live(u) for u in node.users)
 
 
 def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
@@ -130,6 +149,9 @@ def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
             return f"{name} mutates its input: in-place ops stay on ATen"
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
             return f"{name} has a data-dependent output shape"
+        if target in MAX_POOL_OPS:
+            return (f"{name}'s indices are read (by a backward, say): the generated pooling "
+                    "computes only the values")
     return f"no stitchcuda template covers {name}"
 
 
