@@ -36,12 +36,16 @@ def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
+def _pool_net():
+    """PoolNet, an eager copy, and a backend interpreting its kernels on the CPU."""
     torch.manual_seed(0)
     model = PoolNet().train()
-    reference = copy.deepcopy(model)
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False})
+    return model, copy.deepcopy(model), StitchBackend(options={
+        "cpu_interpret": True, "cache": False, "require_speedup": False})
+
+
+def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
+    model, reference, backend = _pool_net()
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 3, 16, 16)
     x[0, 0, 0, 0] = float("nan")                  # NaN propagates through both
@@ -64,11 +68,7 @@ def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
 
 
 def test_a_pooling_whose_indices_a_backward_reads_stays_on_aten_and_says_why():
-    torch.manual_seed(0)
-    model = PoolNet().train()
-    reference = copy.deepcopy(model)
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False})
+    model, reference, backend = _pool_net()
     x = torch.randn(2, 3, 16, 16)
     got = torch.compile(model, backend=backend)(x)
     want = reference(x)
