@@ -47,6 +47,15 @@ def _compile_cell(result: TaskResult, backend: str) -> str:
     return cell
 
 
+def _gpu_cell(rec: BenchRecord | None) -> str:
+    """``temp C, clock MHz, power W`` before -> after a backend's timing ("—" unknown)."""
+    if rec is None or not rec.gpu_before or not rec.gpu_after:
+        return "—"
+    a, b = rec.gpu_before, rec.gpu_after
+    return (f"{a['temp_c']:.0f} -> {b['temp_c']:.0f} C, {a['sm_mhz']:.0f} -> "
+            f"{b['sm_mhz']:.0f} MHz, {a['power_w']:.0f} -> {b['power_w']:.0f} W")
+
+
 def _notes(result: TaskResult) -> str:
     notes = []
     any_rec = next(iter(result.records.values()))
@@ -131,6 +140,17 @@ def render_markdown(results: Sequence[TaskResult], summaries: Sequence[BackendSu
         lines.append("|" + "---|" * len(head))
         for r in results:
             cells = [_fmt(getattr(r.records.get(b), "gb_per_s", None), ".0f") for b in backends]
+            lines.append("| " + " | ".join([r.task, *cells]) + " |")
+        lines.append("")
+
+    if any(rec.gpu_before for r in results for rec in r.records.values()):
+        lines += ["## GPU while timing: temperature, SM clock and power, before -> after", "",
+                  "From NVML as each backend's timed runs began and ended; backends are timed "
+                  "one after another, so a later one may meet a hotter, lower-clocked card.", ""]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in results:
+            cells = [_gpu_cell(r.records.get(b)) for b in backends]
             lines.append("| " + " | ".join([r.task, *cells]) + " |")
         lines.append("")
 

@@ -41,6 +41,21 @@ class L2Flusher:
         self._buf.zero_()
 
 
+def gpu_state(device: torch.device) -> dict[str, float] | None:
+    """The GPU's temperature (C), SM clock (MHz) and power draw (W) as NVML reports them
+    now, so records timed one after another show whether the card drifted between them
+    (a backend timed after another's long compile and verification may find it hotter
+    and clocked lower); None off CUDA or without NVML (pynvml)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return {"temp_c": float(torch.cuda.temperature(device)),
+                "sm_mhz": float(torch.cuda.clock_rate(device)),
+                "power_w": round(torch.cuda.power_draw(device) / 1000.0, 1)}
+    except Exception:  # noqa: BLE001 - NVML absent or unreadable: the state is unknown
+        return None
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile ``q`` in [0, 100] of a non-empty list."""
     xs = sorted(values)

@@ -31,7 +31,7 @@ from . import backends as backends_mod
 from ..correctness import Comparison, compare, flatten_outputs
 from .problems import Problem, load_problem
 from .records import ERROR, OK, BenchRecord, append_records
-from .timing import L2Flusher, time_call, time_first_call
+from .timing import L2Flusher, gpu_state, time_call, time_first_call
 from .turns import GpuTurn
 
 ERROR_TAIL_CHARS = 4000
@@ -331,8 +331,10 @@ def _check_and_time(name: str, model: torch.nn.Module, compiled: backends_mod.Co
         fields["reason"] += f" [fp64 reference unavailable: {refs.fp64_error}]"
 
     timing_inputs = _clone(refs.trial(0).inputs)
+    fields["gpu_before"] = gpu_state(device)
     timing = time_call(lambda: compiled.fn(*timing_inputs), device, runs=cfg.runs,
                        warmup=cfg.warmup, flusher=flusher)
+    fields["gpu_after"] = gpu_state(device)
     fields["call_peak_mb"] = _call_peak_mb(lambda: compiled.fn(*timing_inputs), device)
     fields["io_bytes"] = (_nbytes(timing_inputs) + out_bytes
                           + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
