@@ -42,18 +42,25 @@ class L2Flusher:
 
 
 def gpu_state(device: torch.device) -> dict[str, float] | None:
-    """The GPU's temperature (C), SM clock (MHz) and power draw (W) as NVML reports them
-    now, so records timed one after another show whether the card drifted between them
-    (a backend timed after another's long compile and verification may find it hotter
-    and clocked lower); None off CUDA or without NVML (pynvml)."""
+    """The card as a backend's timed runs begin or end: temperature (C), SM clock (MHz)
+    and power draw (W) from NVML where it can be read (records timed one after another
+    show whether the card drifted: a backend timed after another's long compile may find
+    it hotter and clocked lower), and the caching allocator's reserved and the device's
+    free memory (GiB) with its count of allocations retried after freeing its cache
+    (timed calls that each had to return cached memory to the driver); None off CUDA."""
     if device.type != "cuda":
         return None
+    free, _ = torch.cuda.mem_get_info(device)
+    state = {"reserved_gib": round(torch.cuda.memory_reserved(device) / 2**30, 2),
+             "free_gib": round(free / 2**30, 2),
+             "alloc_retries": float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
     try:
-        return {"temp_c": float(torch.cuda.temperature(device)),
-                "sm_mhz": float(torch.cuda.clock_rate(device)),
-                "power_w": round(torch.cuda.power_draw(device) / 1000.0, 1)}
-    except Exception:  # noqa: BLE001 - NVML absent or unreadable: the state is unknown
-        return None
+        state.update(temp_c=float(torch.cuda.temperature(device)),
+                     sm_mhz=float(torch.cuda.clock_rate(device)),
+                     power_w=round(torch.cuda.power_draw(device) / 1000.0, 1))
+    except Exception:  # noqa: BLE001 - NVML absent or unreadable: memory only
+        pass
+    return state
 
 
 def percentile(values: list[float], q: float) -> float:
