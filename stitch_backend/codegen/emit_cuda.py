@@ -47,11 +47,16 @@ def _fits_int32(ir: KernelIR) -> bool:
         return False
     # headroom: grid-stride loops step past the end by up to grid * block * VEC (< 2^24)
     limit = 2 ** 31 - 2 ** 24
-    total = 1
-    for e in ir.domain.row_extents + ir.domain.red_extents:
-        total *= int(e)
-    if total >= limit:
-        return False
+    # The templates index rows and reduced elements separately (a row's delinearised
+    # variables, then k), never by row * K + k, so each count must fit, not their product:
+    # a pooling's rows times its window (L1's 805M rows of 8) no longer makes every index
+    # 64-bit. What the offsets reach is bounded by the spans below.
+    for extents in (ir.domain.row_extents, ir.domain.red_extents):
+        total = 1
+        for e in extents:
+            total *= int(e)
+        if total >= limit:
+            return False
     for arg in ir.inputs + ir.outputs:
         span = sum((int(s) - 1) * abs(int(st)) for s, st in zip(arg.shape, arg.stride))
         if span >= limit:

@@ -80,10 +80,11 @@ class _Window:
                 return value
             inside = None
             for i in padded:
-                p = IndexVal(torch.int64, pos[i])
+                # a position within a dim's size, padding either side: 32 bits
+                p = IndexVal(torch.int32, pos[i])
                 ok = _op("logical_and", torch.bool,
-                         _op("ge", torch.bool, p, Const(torch.int64, 0)),
-                         _op("lt", torch.bool, p, Const(torch.int64, self.sizes[i])))
+                         _op("ge", torch.bool, p, Const(torch.int32, 0)),
+                         _op("lt", torch.bool, p, Const(torch.int32, self.sizes[i])))
                 inside = ok if inside is None else _op("logical_and", torch.bool, inside, ok)
             return _op("where", c, inside, value, Const(c, fill))
 
@@ -142,7 +143,7 @@ def _avg_pool(n: int):
             count = sympy.Integer(1)
             for st, k, size in zip(w.starts(o[lead:]), w.kernel, w.sizes):
                 count *= sympy.Min(st + k, size) - sympy.Max(st, 0)
-            return cast(IndexVal(torch.int64, count), c)
+            return cast(IndexVal(torch.int32, count), c)
 
         return LT(s.shape, out, lambda o: cast(_op("div", c, s.at(o), divisor(o)), out))
     return fn

@@ -141,3 +141,27 @@ def test_only_long_softmax_rows_take_both_statistics_in_one_pass():
         kinds = [r.kind for r in k.ir.reductions]
         assert ("sfk_online_add" in k.source) == one_pass, name
         assert kinds == (["softmax"] if one_pass else ["max", "sum"]), (name, kinds)
+
+
+def test_indices_are_32_bit_unless_a_count_or_a_span_needs_64():
+    """Rows and reduced elements are indexed apart, so their product may pass 2^31 (L1
+    41's max pooling: 805M rows of an 8-wide window) with 32-bit indices; a tensor whose
+    elements reach past 2^31 still gets 64-bit ones."""
+    import torch
+    import torch.nn.functional as F
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def kernel(fn, shape):
+        gm = make_fx(fn, decomposition_table=core_aten_decompositions(),
+                     tracing_mode="fake")(torch.empty(shape, device="meta"))
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return generate(gm, "idx")
+
+    pool = kernel(lambda a: F.max_pool1d(a, 8, 1, 4, 3), (64, 192, 65536))
+    assert not pool.emitted.idx64 and "long long" not in pool.source
+    wide = kernel(lambda a: torch.softmax(a, -1), (1 << 20, 4096))    # 2^32 elements
+    assert wide.emitted.idx64
+    many_rows = kernel(lambda a: a.sum(-1), (1 << 31, 2))              # 2^31 rows
+    assert many_rows.emitted.idx64
