@@ -78,6 +78,13 @@ def time_call(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup:
               flusher: L2Flusher | None = None) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then ``runs`` timed ones; on CUDA each timed
     run is preceded by ``flusher()`` (when given) and a synchronize."""
+    return summarize(run_times(fn, device, runs=runs, warmup=warmup, flusher=flusher),
+                     warmup, device)
+
+
+def run_times(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup: int,
+              flusher: L2Flusher | None = None) -> list[float]:
+    """The milliseconds of each of ``runs`` timed calls, as ``time_call`` takes them."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     for _ in range(warmup):
@@ -95,15 +102,19 @@ def time_call(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        clock = "cuda-events"
     else:
         for _ in range(runs):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        clock = "cpu"
+    return times
+
+
+def summarize(times: list[float], warmup: int, device: torch.device) -> Timing:
+    """Median and spread of ``times`` (milliseconds)."""
     return Timing(median_ms=statistics.median(times), p10_ms=percentile(times, 10),
-                  p90_ms=percentile(times, 90), runs=runs, warmup=warmup, clock=clock)
+                  p90_ms=percentile(times, 90), runs=len(times), warmup=warmup,
+                  clock="cuda-events" if device.type == "cuda" else "cpu")
 
 
 def time_first_call(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:

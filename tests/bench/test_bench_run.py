@@ -485,3 +485,50 @@ def test_eager_again_is_timed_last_as_a_control(tmp_path):
     assert again.status == "ok" and again.correct_kernelbench and again.correct_design
     assert again.max_abs == 0.0 and again.median_ms > 0
     assert "timed again" in again.backend_source
+
+
+def test_interleaved_timing_compiles_all_then_rotates_the_backends(monkeypatch):
+    """--interleave: Dynamo reset once, every backend compiled and checked, then timed in
+    rounds whose order rotates (eager, aot_eager / aot_eager, eager), the runs split
+    over them; each record carries all its runs and the round count."""
+    import torch._dynamo
+
+    from stitch_backend.bench import worker
+
+    resets, calls = [], []
+    real_reset, real_times = torch._dynamo.reset, worker.run_times
+
+    def reset():
+        resets.append(1)
+        real_reset()
+
+    def run_times(fn, device, *, runs, warmup, flusher=None):
+        calls.append((fn, runs))
+        return real_times(fn, device, runs=runs, warmup=warmup, flusher=flusher)
+
+    monkeypatch.setattr(torch._dynamo, "reset", reset)
+    monkeypatch.setattr(worker, "run_times", run_times)
+    records = []
+    cfg = TaskConfig(spec=str(EXAMPLES["mlp_gelu"]), name="mlp_gelu",
+                     backends=["eager", "aot_eager"], device="cpu", trials=1, runs=7, warmup=1,
+                     recompile=False, interleave=True)
+    assert "--interleave" in cfg.to_argv(Path("x.jsonl"))
+    run_task(cfg, records.append)
+    assert [r.backend for r in records] == ["eager", "aot_eager"]
+    assert all(r.status == "ok" and r.correct_design for r in records), records
+    assert all(r.runs == 7 and r.timing_rounds == 2 and r.median_ms > 0 for r in records)
+    assert len(resets) == 1
+    eager, aot = calls[0][0], calls[1][0]
+    assert eager is not aot
+    assert [fn for fn, _ in calls] == [eager, aot, aot, eager]
+    assert [runs for _, runs in calls] == [4, 4, 3, 3]
+
+
+def test_interleave_flag_reaches_the_worker(tmp_path):
+    args = _parse(["bench", str(EXAMPLES["mlp_gelu"]), "--backends", "eager", "--device", "cpu",
+                   "--interleave", "--out", str(tmp_path)])
+    assert args.interleave
+    from stitch_backend.bench.worker import _parse as worker_parse
+    cfg, _ = worker_parse(TaskConfig(spec="s.py", name="s", backends=["eager"],
+                                     interleave=True).to_argv(tmp_path / "r.jsonl"))
+    assert cfg.interleave
