@@ -64,7 +64,8 @@ ATTENTION_OPS = _ops(
 )
 REDUCTION_OPS = _ops(aten.sum, aten.mean, aten.amax, aten.amin, aten.prod, aten.var,
                      aten.var_mean, aten.std, aten.std_mean, aten.argmax, aten.argmin,
-                     aten.any, aten.all, aten.max.dim, aten.min.dim, aten.logsumexp,
+                     aten.any, aten.all, aten.max.dim, aten.min.dim, aten.max.default,
+                     aten.min.default, aten.logsumexp,
                      aten.norm, aten.linalg_vector_norm)
 NORM_OPS = _ops(aten._softmax, aten._log_softmax, aten.native_layer_norm,
                 aten.native_group_norm, aten._native_batch_norm_legit,
@@ -86,9 +87,16 @@ VIEW_OPS = _ops(aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.e
 # indices are not read (then it stays on ATen, which computes them).
 MAX_POOL_OPS = _ops(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
-# Copy-like ops that are pointwise in effect though not tagged so.
+# Copy-like ops that are pointwise in effect though not tagged so, and elementwise ops
+# the Coder lowers that some torch versions leave untagged (torch 2.11 on the H200 made
+# L1's leaky_relu a fallback "no template covers"; hardswish, rsub, fmod, remainder,
+# floor_divide, copysign and fix carry no pointwise tag in 2.13); their out= overloads
+# (which write an argument) stay out.
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
-                       torch.ops.prims.convert_element_type)
+                       torch.ops.prims.convert_element_type) | frozenset(
+    op for op in _ops(aten.leaky_relu, aten.hardswish, aten.rsub, aten.fmod, aten.remainder,
+                      aten.floor_divide, aten.copysign, aten.fix)
+    if not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments))
 
 
 def classify(node: torch.fx.Node) -> OpClass:

@@ -532,3 +532,22 @@ def test_interleave_flag_reaches_the_worker(tmp_path):
     cfg, _ = worker_parse(TaskConfig(spec="s.py", name="s", backends=["eager"],
                                      interleave=True).to_argv(tmp_path / "r.jsonl"))
     assert cfg.interleave
+
+
+@pytest.mark.gpu
+def test_interleaved_timing_of_eager_inductor_and_stitchcuda_on_the_gpu():
+    """All three compiled in one process before any is timed (Dynamo keeps each backend's
+    graph apart), timed in rotating rounds; each record has the card's state."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (run on the GPU machine with -m gpu)")
+    records = []
+    cfg = TaskConfig(spec=str(EXAMPLES["conv_bn_relu"]), name="conv_bn_relu",
+                     backends=["eager", "inductor-reduce-overhead", "stitchcuda"], device="cuda",
+                     trials=1, runs=12, warmup=2, recompile=False, interleave=True)
+    run_task(cfg, records.append)
+    assert all(r.status == "ok" and r.correct_design for r in records), \
+        [(r.backend, r.reason) for r in records]
+    assert all(r.timing_rounds == 4 and r.runs == 12 for r in records)
+    assert all(r.gpu_before and "free_gib" in r.gpu_after for r in records)
+    stitched = records[2].backend_records
+    assert stitched and stitched[0]["counts"]["generated"] >= 1
