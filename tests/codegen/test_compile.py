@@ -165,3 +165,10 @@ def test_indices_are_32_bit_unless_a_count_or_a_span_needs_64():
     assert wide.emitted.idx64
     many_rows = kernel(lambda a: a.sum(-1), (1 << 31, 2))              # 2^31 rows
     assert many_rows.emitted.idx64
+    # a reduction's row loop steps by up to ROW_STEP_MAX rows: 1.5e9 rows need 64 bits
+    from stitch_backend.codegen.emit_cuda import ROW_STEP_MAX
+    from stitch_backend.codegen.fused import MAX_ROW_BLOCKS, MAX_THREADS
+    assert MAX_ROW_BLOCKS * MAX_THREADS <= ROW_STEP_MAX
+    # rows of a broadcast input: its span is 0, the output's under 2^31
+    assert kernel(lambda a: a.expand(3 << 29, 2).sum(-1), (1,)).emitted.idx64
+    assert not kernel(lambda a: a.expand(1 << 29, 2).sum(-1), (1,)).emitted.idx64
