@@ -140,7 +140,15 @@ def reads_indices(node: torch.fx.Node) -> bool:
 def _live(node: torch.fx.Node) -> bool:
     """Whether ``node``'s value reaches the graph's output (a traced graph keeps the
     getitem of an output nobody uses, and views of it)."""
-    return node.op == "output" or any(_live(u) for u in node.users)
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "output":
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += n.users
+    return False
 
 
 def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
