@@ -116,7 +116,7 @@ def classify(node: torch.fx.Node) -> OpClass:
     if target in ATTENTION_OPS:
         return OpClass.ATTENTION
     if target in POOL_OPS:
-        return OpClass.OTHER if target in MAX_POOL_OPS and reads_indices(node) else OpClass.REDUCTION
+        return OpClass.OTHER if pool_unsupported(node) else OpClass.REDUCTION
     if torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM
     for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),
@@ -128,6 +128,25 @@ def classify(node: torch.fx.Node) -> OpClass:
     if torch.Tag.pointwise in tags and not _mutates(target):
         return OpClass.POINTWISE
     return OpClass.OTHER
+
+
+def pool_unsupported(node: torch.fx.Node) -> str | None:
+    """Why the generated pooling (codegen.lower_pooling) cannot run pooling ``node``
+    (None: it can), so the Planner leaves it to ATen in a region of its own instead of
+    fusing it with neighbours it would then drag to ATen too."""
+    name = op_name(node)
+    if node.target in MAX_POOL_OPS and reads_indices(node):
+        return (f"{name}'s indices are read (by a backward, say): the generated pooling "
+                "computes only the values")
+    ceil_at = 5 if node.target in MAX_POOL_OPS else 4
+    if len(node.args) > ceil_at and node.args[ceil_at] or node.kwargs.get("ceil_mode"):
+        return f"{name} in ceil mode: the generated pooling takes floor-mode windows"
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return f"{name} of a non-floating-point input"
+    if any(isinstance(s, torch.SymInt) for s in x.shape):
+        return f"{name} over symbolic sizes"
+    return None
 
 
 def reads_indices(node: torch.fx.Node) -> bool:
@@ -165,9 +184,8 @@ def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
             return f"{name} mutates its input: in-place ops stay on ATen"
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
             return f"{name} has a data-dependent output shape"
-        if target in MAX_POOL_OPS:
-            return (f"{name}'s indices are read (by a backward, say): the generated pooling "
-                    "computes only the values")
+        if target in POOL_OPS and pool_unsupported(node):
+            return pool_unsupported(node)
     return f"no stitchcuda template covers {name}"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.fx
@@ -21,9 +23,15 @@ NOT_FUSED = {aten.contiguous.default, aten.fill.Scalar, aten.new_full.default,
 FUSED = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY, OpClass.VIEW}
 
 
-def _node(target) -> torch.fx.Node:
+def _node(target, *args, x=None) -> torch.fx.Node:
     graph = torch.fx.Graph()
-    return graph.call_function(target, (graph.placeholder("x"),))
+    ph = graph.placeholder("x")
+    ph.meta["val"] = torch.empty(1, 2, 4, 4) if x is None else x
+    node = graph.call_function(target, (ph, *args))
+    # a max pooling's values only, as a graph that does not save its indices takes them
+    graph.output(graph.call_function(operator.getitem, (node, 0))
+                 if "max_pool" in str(target) else node)
+    return node
 
 
 def _takes_tensors(op: torch._ops.OpOverload) -> bool:
@@ -46,3 +54,26 @@ def test_out_variants_of_the_untagged_elementwise_ops_are_not_pointwise():
     assert classify(_node(aten.leaky_relu.default)) is OpClass.POINTWISE
     assert classify(_node(aten.leaky_relu.out)) is OpClass.OTHER
     assert classify(_node(aten.max.default)) is OpClass.REDUCTION
+
+
+def test_a_pooling_the_generated_kernel_cannot_run_stays_alone_on_aten():
+    """Ceil mode, symbolic sizes or integer input: a fallback region of its own (fused,
+    its lowering would fail and take its neighbours to ATen with it), and the report
+    says why."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stitch_backend.opclass import fallback_reason
+
+    pool = aten.avg_pool2d.default
+    assert classify(_node(pool, [2, 2])) is OpClass.REDUCTION
+    ceil = _node(pool, [2, 2], [2, 2], [0, 0], True)
+    assert classify(ceil) is OpClass.OTHER and "ceil mode" in fallback_reason(ceil, OpClass.OTHER)
+    ints = _node(pool, [2, 2], x=torch.empty(1, 2, 4, 4, dtype=torch.int64))
+    assert classify(ints) is OpClass.OTHER
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        sym = mode.shape_env.create_unbacked_symint()
+        x = torch.empty(1, 2, sym, 4)
+    node = _node(aten.max_pool2d_with_indices.default, [2, 2], x=x)
+    assert classify(node) is OpClass.OTHER
+    assert "symbolic" in fallback_reason(node, OpClass.OTHER)
