@@ -304,8 +304,8 @@ class Ready:
 def prepare_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
                     device: torch.device, turn: GpuTurn | None = None,
                     reset: bool = True) -> Ready:
-    """Compile and check one backend (raises on failure): its first call, the input
-    trials, the memory one call needs. ``reset`` forgets what Dynamo compiled before
+    """Compile and check one backend (raises on failure): its first call and the input
+    trials. ``reset`` forgets what Dynamo compiled before
     (off while earlier backends wait to be timed: they would compile again). With a
     shared GPU (``turn``), everything but a host-compiled backend's first call (its
     compile) runs in this task's turn on the GPU."""
@@ -338,11 +338,9 @@ def prepare_backend(name: str, problem: Problem, refs: References, cfg: TaskConf
         if refs.fp64_error:
             fields["reason"] += f" [fp64 reference unavailable: {refs.fp64_error}]"
         timing_inputs = _clone(refs.trial(0).inputs)
-        call = lambda: compiled.fn(*timing_inputs)  # noqa: E731
-        fields["call_peak_mb"] = _call_peak_mb(call, device)
         fields["io_bytes"] = (_nbytes(timing_inputs) + out_bytes
                               + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
-    return Ready(name, model, compiled, marker, call, fields)
+    return Ready(name, model, compiled, marker, lambda: compiled.fn(*timing_inputs), fields)
 
 
 def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
@@ -362,10 +360,12 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
 
 def _finish(ready: Ready, refs: References, cfg: TaskConfig,
             device: torch.device) -> dict[str, Any]:
-    """After the timing: the recompile (where configured) and the backend's own records."""
+    """After the timing (a backend settled over its calls): the memory one call needs,
+    the recompile (where configured) and the backend's own records."""
     import torch._dynamo
 
     fields = ready.fields
+    fields["call_peak_mb"] = _call_peak_mb(ready.call, device)
     if cfg.recompile and ready.name not in ("eager", "eager-again"):
         # Dynamo forgets everything; Inductor's/stitchcuda's own caches stay warm.
         torch._dynamo.reset()
