@@ -126,9 +126,9 @@ class Simplifier:
 
     def __init__(self, ranges: Mapping[sympy.Symbol, Range]):
         self.ranges = dict(ranges)
-        # a variable of one value is that value: a size-1 dim's loop variable is 0, so
-        # (i1 + i2, 0) over (3, 1) is (i1, i2) (a contiguous size-1 dim shares the next
-        # dim's stride, and an index read back from an offset may put it anywhere)
+        # a variable of one value is that value: a size-1 dim's loop variable is 0 (a
+        # contiguous size-1 dim shares the next dim's stride, so an index read back from
+        # an offset may carry it elsewhere: i1 + i2 where i2 only takes 0 is i1)
         self.fixed = {v: lo for v, (lo, hi) in self.ranges.items()
                       if lo == hi and getattr(lo, "is_Integer", False)}
 
