@@ -87,13 +87,14 @@ VIEW_OPS = _ops(aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.e
 # indices are not read (then it stays on ATen, which computes them).
 MAX_POOL_OPS = _ops(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
 POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
-# Copy-like ops that are pointwise in effect though not tagged so, and elementwise ops
+# Copy-like ops that are pointwise in effect though not tagged so (cat: each element
+# copied from one input, codegen.lower_views), and elementwise ops
 # the Coder lowers that some torch versions leave untagged (torch 2.11 on the H200 made
 # L1's leaky_relu a fallback "no template covers"; hardswish, rsub, fmod, remainder,
 # floor_divide, copysign and fix carry no pointwise tag in 2.13); their out= overloads
 # (which write an argument) stay out.
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
-                       torch.ops.prims.convert_element_type) | frozenset(
+                       torch.ops.prims.convert_element_type, aten.cat.default) | frozenset(
     op for op in _ops(aten.leaky_relu, aten.hardswish, aten.rsub, aten.fmod, aten.remainder,
                       aten.floor_divide, aten.copysign, aten.fix)
     if not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments))

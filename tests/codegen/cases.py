@@ -222,6 +222,15 @@ REDUCTIONS = [
        T((2, 3, 8, 8))),
     _c("pool_avg3d", lambda a: F.avg_pool3d(a, 3, 2, 1), T((2, 2, 9, 10, 11))),
     _c("pool_avg2d_unbatched", lambda a: F.avg_pool2d(a, 2, 1), T((3, 6, 7))),
+    # concatenation: each element from the input its index falls in (codegen.lower_views)
+    _c("cat_rows", lambda a, b: torch.cat([a, b], 0), T((3, 5)), T((4, 5))),
+    _c("cat_three_then_relu", lambda a, b, c: torch.relu(torch.cat([a, b * 2, c], 1)),
+       T((2, 3, 4)), T((2, 1, 4)), T((2, 5, 4))),
+    _c("cat_promotes", lambda a, b: torch.cat([a, b], -1), T((3, 2), f16), T((3, 4)), atol=1e-3),
+    _c("cat_class_token", lambda t, x: torch.cat([t.expand(x.shape[0], -1, -1), x], 1) + 1,
+       T((1, 1, 8)), T((4, 6, 8))),
+    _c("cat_then_sum", lambda a, b: torch.cat([a, b.permute(1, 0)], 1).sum(-1),
+       T((6, 3)), T((5, 6))),
     # a size-1 dim kept by a reduction: its loop variable is 0 wherever it is read back
     _c("red_keeps_a_size_one_dim", lambda a: a.unsqueeze(2).sum(-1).squeeze(2) * 2,
        T((2, 3, 50))),
