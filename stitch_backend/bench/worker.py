@@ -487,7 +487,8 @@ def _run_interleaved(cfg: TaskConfig, problem: Problem, refs: References, device
         wall[b] = time.perf_counter() - started
     started = time.perf_counter()
     try:
-        time_interleaved(ready, cfg, device, flusher, turn)
+        if ready:
+            time_interleaved(ready, cfg, device, flusher, turn)
     except Exception as exc:
         failed.update({r.name: _error_fields(exc, prefix="interleaved timing: ") for r in ready})
         ready = []

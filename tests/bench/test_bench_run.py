@@ -551,3 +551,28 @@ def test_interleaved_timing_of_eager_inductor_and_stitchcuda_on_the_gpu():
     assert all(r.gpu_before and "free_gib" in r.gpu_after for r in records)
     stitched = records[2].backend_records
     assert stitched and stitched[0]["counts"]["generated"] >= 1
+
+
+def test_interleaved_timing_records_a_failing_backend_and_times_the_rest(monkeypatch):
+    from stitch_backend.bench import worker
+
+    real = worker.prepare_backend
+
+    def prepare(name, *a, **k):
+        if name == "aot_eager":
+            raise RuntimeError("this backend always fails")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(worker, "prepare_backend", prepare)
+    records = []
+    cfg = TaskConfig(spec=str(EXAMPLES["mlp_gelu"]), name="mlp_gelu",
+                     backends=["aot_eager", "eager"], device="cpu", trials=1, runs=3, warmup=1,
+                     recompile=False, interleave=True)
+    run_task(cfg, records.append)
+    assert [r.backend for r in records] == ["aot_eager", "eager"]
+    assert records[0].status == "error" and "always fails" in records[0].reason
+    assert records[1].status == "ok" and records[1].runs == 3 and records[1].timing_rounds == 1
+    cfg.backends = ["aot_eager"]
+    records.clear()
+    run_task(cfg, records.append)              # nothing left to time: no crash, one error
+    assert len(records) == 1 and records[0].status == "error"
