@@ -31,7 +31,7 @@ from stitch_backend.regions import copy_graph
 aten = torch.ops.aten
 BN_TRAIN = aten._native_batch_norm_legit_functional.default
 LAYER_NORM = aten.native_layer_norm.default
-SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM)
+SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM)   # each planned and rewritten per _SPLITS below
 
 # Split only when the channels leave SMs idle and each partial sum still has work.
 MIN_PARTIAL_LEN = 512
@@ -120,8 +120,7 @@ def split_norms(module: torch.fx.GraphModule, sm_count: int,
              if n.op == "call_function" and n.target in SPLIT_TARGETS]
     if not norms:
         return None
-    plans = [(_plan if n.target is BN_TRAIN else _plan_rows)(n, sm_count, contiguous)
-             for n in norms]
+    plans = [_SPLITS[n.target][0](n, sm_count, contiguous) for n in norms]
     if any(p is None for p in plans):
         return None
     new = torch.fx.GraphModule(module, copy_graph(module.graph))
@@ -130,8 +129,8 @@ def split_norms(module: torch.fx.GraphModule, sm_count: int,
     # statistics stages (0-3) of each norm in turn, then the normalisation of all
     stages: list[list[str]] = [[] for _ in range(4 * len(norms) + 1)]
     for i, (norm, plan) in enumerate(zip(new_norms, plans)):
-        rewrite = _rewrite if isinstance(plan, _SplitPlan) else _rewrite_rows
-        rewrite(new, norm, plan, stages[4 * i: 4 * i + 4] + [stages[-1]], single_pass)
+        _SPLITS[norm.target][1](new, norm, plan, stages[4 * i: 4 * i + 4] + [stages[-1]],
+                                single_pass)
     ours = {name for stage in stages for name in stage}
     stages[-1] += [nd.name for nd in new.graph.nodes
                    if nd.op == "call_function" and nd.name not in ours]
@@ -372,6 +371,10 @@ def _rewrite_rows(new: torch.fx.GraphModule, ln: torch.fx.Node, plan: _RowPlan,
             y = op(4, aten.add.Tensor, y, bias)
         results = [y, per_row(3, mean), per_row(3, rstd)]
     b.replace(ln, results)
+
+
+# target -> (its plan, its rewrite)
+_SPLITS = {BN_TRAIN: (_plan, _rewrite), LAYER_NORM: (_plan_rows, _rewrite_rows)}
 
 
 # BatchNorm's input may be computed in the region by at most this many pointwise/view ops

@@ -47,6 +47,11 @@ def _maybe(*names: str) -> list:
     return [getattr(aten, n) for n in names if hasattr(aten, n)]
 
 
+def _mutates(op: torch._ops.OpOverload) -> bool:
+    schema = op._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 GEMM_OPS = _ops(aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul,
                 aten._addmm_activation)
 CONV_OPS = _ops(aten.convolution, aten.convolution_backward, aten._convolution,
@@ -96,8 +101,7 @@ POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
                        torch.ops.prims.convert_element_type, aten.cat.default) | frozenset(
     op for op in _ops(aten.leaky_relu, aten.hardswish, aten.rsub, aten.fmod, aten.remainder,
-                      aten.floor_divide, aten.copysign, aten.fix)
-    if not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments))
+                      aten.floor_divide, aten.copysign, aten.fix) if not _mutates(op))
 
 
 def classify(node: torch.fx.Node) -> OpClass:
@@ -185,8 +189,8 @@ def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
             return f"{name} mutates its input: in-place ops stay on ATen"
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
             return f"{name} has a data-dependent output shape"
-        if target in POOL_OPS and pool_unsupported(node):
-            return pool_unsupported(node)
+        if target in POOL_OPS and (why := pool_unsupported(node)):
+            return why
     return f"no stitchcuda template covers {name}"
 
 
@@ -204,9 +208,6 @@ def op_name(node: torch.fx.Node) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _mutates(op: torch._ops.OpOverload) -> bool:
-    schema = op._schema
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _is_symbolic(node: torch.fx.Node) -> bool:

@@ -18,16 +18,20 @@ import math
 import sympy
 import torch
 
-from .kernel_ir import Const, IndexVal, Op, Unsupported, opmath
-from .lower import LT, cast
-from .lower_ops import _dt, rule
-from ..opclass import reads_indices
+from .kernel_ir import Const, IndexVal, Unsupported, opmath
+from .lower import LT, cast, pointwise
+from .lower_ops import _dt, _op, rule
+from ..opclass import pool_unsupported
 
 aten = torch.ops.aten
 
 
-def _op(name, dtype, *args):
-    return Op(dtype, name, tuple(args), ())
+def _check(node) -> None:
+    """Unsupported where the Planner would not fuse this pooling either (the same
+    reasons: ``opclass.pool_unsupported``)."""
+    why = pool_unsupported(node)
+    if why:
+        raise Unsupported(why)
 
 
 def _per_dim(v, n: int, what: str) -> list[int]:
@@ -98,19 +102,14 @@ class _Window:
 
 def _max_pool(n: int):
     def fn(ctx, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-        if ceil_mode:
-            raise Unsupported("max pooling in ceil mode")
-        if reads_indices(node):
-            raise Unsupported("max pooling's indices are read")
+        _check(node)
         out = _dt(node, 0)
-        if not out.is_floating_point:
-            raise Unsupported(f"max pooling of {out}")
         w = _Window(x, n, kernel_size, stride, padding, dilation)
         c = opmath(out)
-        xa = LT(x.shape, c, lambda o: cast(x.at(o), c))
+        xa = pointwise([x], lambda e: cast(e, c), c)
         m = ctx.reduce("max", w.windows(xa, float("-inf")), w.dims(x), False, c,
                        what=str(node.target))
-        values = LT(m.shape, out, lambda o: cast(m.at(o), out))
+        values = pointwise([m], lambda e: cast(e, out), out)
 
         def unread(o):
             raise Unsupported("max pooling's indices are read")
@@ -122,14 +121,11 @@ def _max_pool(n: int):
 def _avg_pool(n: int):
     def fn(ctx, node, x, kernel_size, stride=(), padding=0, ceil_mode=False,
            count_include_pad=True, divisor_override=None):
-        if ceil_mode:
-            raise Unsupported("average pooling in ceil mode")
+        _check(node)
         out = _dt(node)
-        if not out.is_floating_point:
-            raise Unsupported(f"average pooling of {out}")
         w = _Window(x, n, kernel_size, stride, padding, 1)
         c = opmath(out)
-        xa = LT(x.shape, c, lambda o: cast(x.at(o), c))
+        xa = pointwise([x], lambda e: cast(e, c), c)
         s = ctx.reduce("sum", w.windows(xa, 0.0), w.dims(x), False, c, what=str(node.target))
         lead = x.ndim - n
 

@@ -12,9 +12,9 @@ import sympy
 import torch
 
 from . import indexing as ix
-from .kernel_ir import Const, Expr, Op, SizeVal, Unsupported, acc_type, opmath
+from .kernel_ir import Const, Expr, SizeVal, Unsupported, acc_type, opmath
 from .lower import LT, cast, pointwise
-from .lower_ops import RULES, _dt, _maybe, _shape, rule
+from .lower_ops import RULES, _dt, _maybe, _op, _shape, rule
 
 # Softmax rows this long (1 << 15 fp32 elements: 128 KiB) take their maximum and sum in one
 # pass. The ~264 rows in flight (two 1024-thread blocks on each of 132 SMs) then fill
@@ -25,10 +25,6 @@ from .lower_ops import RULES, _dt, _maybe, _shape, rule
 ONLINE_SOFTMAX_MIN = 1 << 15
 
 aten = torch.ops.aten
-
-
-def _op(name, dtype, *args, params=()) -> Expr:
-    return Op(dtype, name, tuple(args), tuple(params))
 
 
 def _dims(x: LT, dims) -> tuple[int, ...]:

@@ -13,9 +13,9 @@ import sympy
 import torch
 
 from . import indexing as ix
-from .kernel_ir import Const, IndexVal, Op, Unsupported
+from .kernel_ir import Const, IndexVal, Unsupported
 from .lower import LT, bcast_index, cast
-from .lower_ops import _dt, _maybe, _shape, _val, rule
+from .lower_ops import _dt, _maybe, _op, _shape, _val, rule
 
 aten = torch.ops.aten
 
@@ -216,9 +216,9 @@ def _cat(ctx, node, tensors, dim=0):
 
         value = read(len(parts) - 1)
         for i in range(len(parts) - 2, -1, -1):
-            before = Op(torch.bool, "lt", (IndexVal(index_type, j),
-                                           Const(index_type, starts[i + 1])), ())
-            value = Op(out, "where", (before, read(i), value), ())
+            before = _op("lt", torch.bool, IndexVal(index_type, j),
+                         Const(index_type, starts[i + 1]))
+            value = _op("where", out, before, read(i), value)
         return value
     return LT(shape, out, fn)
 
