@@ -172,3 +172,22 @@ def test_indices_are_32_bit_unless_a_count_or_a_span_needs_64():
     # rows of a broadcast input: its span is 0, the output's under 2^31
     assert kernel(lambda a: a.expand(3 << 29, 2).sum(-1), (1,)).emitted.idx64
     assert not kernel(lambda a: a.expand(1 << 29, 2).sum(-1), (1,)).emitted.idx64
+
+
+def test_pointwise_kernels_launch_a_thread_per_vector():
+    """A streaming pointwise kernel launches one thread per vector (faster so on the H200:
+    fused.launch_shape's comment), except that with 32-bit indices the grid's step plus
+    the element count stays below 2^31 (the loop then takes more than one step)."""
+    from stitch_backend.codegen.fused import INT32_MAX
+
+    by_name = {c.name: c for c in CASES + BIG}
+    k = generate(by_name["big_bias_gelu"].trace(), "big_bias_gelu")
+    assert k.emitted.kind == "pointwise" and k.emitted.vec == 4 and not k.emitted.idx64
+    n = 4096 * 196608
+    blocks, threads, _ = k.launch_shape(n, 0)
+    assert threads == 256 and blocks * threads * 4 == n
+    near = 2 ** 31 - 2 ** 24          # the most elements 32-bit indices are used for
+    blocks, threads, _ = k.launch_shape(near, 0)
+    assert near + blocks * threads * 4 <= INT32_MAX
+    assert blocks * threads * 4 < near          # a grid-stride loop: several steps
+    assert k.launch_shape(1000, 0)[0] == 1
