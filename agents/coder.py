@@ -53,8 +53,9 @@ class TemplateCoder:
         if library_on_cpu is not None:
             self.library_on_cpu = library_on_cpu
         # Also propose the split-statistics alternative for training BatchNorm over few
-        # channels of a contiguous (NCHW) input (``agents.split_stats``; channels-last
-        # inputs always get it); the Verifier keeps the faster one.
+        # channels of a contiguous (NCHW) input and for layer norm over few rows
+        # (``agents.split_stats``; channels-last inputs always get it); the Verifier
+        # keeps the faster one.
         self.split_stats = split_stats
         # structure key -> kernel or Unsupported: repeated blocks (ResNet stages,
         # transformer layers) and replanning retries generate once per structure
@@ -68,7 +69,13 @@ class TemplateCoder:
         library = None
         conv_tag = None    # the generated convolution's tag, where it is the alternative
         if subtask.kind in ("gemm", "conv"):
-            head, part = self._split_anchor(subtask)
+            try:
+                head, part = self._split_anchor(subtask)
+            except NoCandidate:
+                plain = self._lt_plain(subtask) if subtask.kind == "gemm" else None
+                if plain is None:
+                    raise
+                return plain
             lead = [Stage(head, module=region_module(subtask.graph, head))]
             if subtask.kind == "gemm":
                 library = self._lt_alternative(subtask, head, part)
@@ -103,17 +110,10 @@ class TemplateCoder:
         if len(anchors) != 1:
             return None
         mm = anchors[0]
-        val = mm.meta.get("val")
-        if (not isinstance(val, torch.Tensor) or val.dim() != 2 or val.dtype not in lt_ops.DTYPES
-                or (val.device.type != "cuda" and not self.library_on_cpu) or mm.kwargs
-                or any(isinstance(s, torch.SymInt) for s in val.shape)):
+        if not self._lt_can_run(mm):
             return None
+        val = mm.meta["val"]
         is_addmm = mm.target is aten.addmm.default
-        if is_addmm:
-            bias = mm.args[0].meta.get("val") if isinstance(mm.args[0], torch.fx.Node) else None
-            if (len(mm.args) != 3 or not isinstance(bias, torch.Tensor) or bias.dim() != 1
-                    or bias.shape[0] != val.shape[1]):
-                return None
         if len(mm.users) != 1:
             return None
         (act,) = mm.users
@@ -176,6 +176,59 @@ class TemplateCoder:
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs))
 
+    def _lt_can_run(self, mm: torch.fx.Node) -> bool:
+        """Whether cuBLASLt can compute 2-D ``mm`` (an addmm's bias a row of N)."""
+        from stitch_backend import lt_ops
+
+        val = mm.meta.get("val")
+        if (not isinstance(val, torch.Tensor) or val.dim() != 2 or val.dtype not in lt_ops.DTYPES
+                or (val.device.type != "cuda" and not self.library_on_cpu) or mm.kwargs
+                or any(isinstance(s, torch.SymInt) for s in val.shape)):
+            return False
+        if mm.target is aten.addmm.default:
+            bias = mm.args[0].meta.get("val") if isinstance(mm.args[0], torch.fx.Node) else None
+            return (len(mm.args) == 3 and isinstance(bias, torch.Tensor) and bias.dim() == 1
+                    and bias.shape[0] == val.shape[1])
+        return True
+
+    def _lt_plain(self, subtask: Subtask) -> Candidate | None:
+        """A gemm region with no epilogue (or views alone after it) as one cuBLASLt call
+        (``lt_ops``; an addmm's bias in its BIAS epilogue), whose algorithm the first call
+        times among the heuristics' best: raced against ATen's call by the Verifier. None
+        where cuBLASLt cannot run it (then ATen's library call is the implementation)."""
+        from stitch_backend import lt_ops
+
+        gm = subtask.graph
+        nodes = {n.name: n for n in gm.graph.nodes}
+        anchors = [nodes[n] for n in subtask.region.nodes
+                   if nodes[n].target in (aten.addmm.default, aten.mm.default)]
+        if len(anchors) != 1 or not self._lt_can_run(anchors[0]):
+            return None
+        mm = anchors[0]
+        is_addmm = mm.target is aten.addmm.default
+        sub = sub_region(gm, list(subtask.region.nodes), subtask.region_id, 800)
+        module = region_module(gm, sub)
+        graph = module.graph
+        l_mm = next(n for n in graph.nodes if n.name == mm.name)
+        with graph.inserting_before(l_mm):
+            if is_addmm:
+                call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], "BIAS"))
+            else:
+                call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], "DEFAULT"))
+        call.meta = dict(l_mm.meta)
+        l_mm.replace_all_uses_with(call)
+        graph.erase_node(l_mm)
+        graph.lint()
+        name = f"{subtask.region_name}_lt"
+        header = (f"// {name}: cuBLASLt {mm.target}{' + bias' if is_addmm else ''} with "
+                  f"epilogue {'BIAS' if is_addmm else 'DEFAULT'}, algorithm timed at the first "
+                  f"call, {tuple(mm.meta['val'].shape)} {mm.meta['val'].dtype}\n")
+        return Candidate(region_id=subtask.region_id, origin=self.origin, name=name,
+                         source=header, stages=[Stage(sub, module=torch.fx.GraphModule(
+                             module, graph, class_name=name))],
+                         region_inputs=list(subtask.region.inputs),
+                         region_outputs=list(subtask.region.outputs))
+
     def _conv_kernel_alternative(self, subtask: Subtask, head: Region, epilogue: list[Stage]
                                  ) -> tuple[Candidate | None, str | None]:
         """A generated convolution in place of the library call, then the same epilogue
@@ -229,12 +282,14 @@ class TemplateCoder:
     def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
                       tag: str = "") -> list[Candidate]:
         """The split-statistics alternatives (two-pass and single-pass variance) of a region
-        whose (epilogue) part is a training BatchNorm over few channels; none where that
-        does not apply or generate. ``tag`` prefixes their names (another lead stage)."""
-        from .split_stats import BN_TRAIN
+        whose (epilogue) part is a training BatchNorm over few channels or a layer norm
+        over few rows; none where that does not apply or generate. ``tag`` prefixes their
+        names (another lead stage)."""
+        from .split_stats import SPLIT_TARGETS
 
         names = set(part.nodes)
-        if not any(n.target is BN_TRAIN for n in subtask.graph.graph.nodes if n.name in names):
+        if not any(n.target in SPLIT_TARGETS for n in subtask.graph.graph.nodes
+                   if n.name in names):
             return []
         module = region_module(subtask.graph, part)
         found = []
@@ -246,9 +301,9 @@ class TemplateCoder:
 
     def _stats_split(self, subtask: Subtask, lead: list[Stage], part: Region, module,
                      single_pass: bool, suffix: str) -> Candidate | None:
-        from .split_stats import split_batchnorm
+        from .split_stats import split_norms
 
-        split = split_batchnorm(module, self.sm_count, contiguous=self.split_stats,
+        split = split_norms(module, self.sm_count, contiguous=self.split_stats,
                                 single_pass=single_pass)
         if split is None:
             return None

@@ -23,6 +23,7 @@ from .coder import NoCandidate, TemplateCoder
 from .state import Attempt, Candidate, Subtask, Task, Trajectory, subtask_for
 
 log = logging.getLogger("stitch_backend.agents.loop")
+_NOTHING_TO_BUILD = object()   # the compile result of a candidate with no kernel
 code_log = logging.getLogger(OUTPUT_CODE)
 
 
@@ -81,10 +82,14 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     t0 = time.perf_counter()
     # a library-only alternative (a cuBLASLt call, no generated kernel) compiles nothing
     alternatives = [a for c in proposals for a in c.alternatives if a.kernels]
+    # and so does a library-only candidate of its own (a plain gemm's cuBLASLt call)
+    built = [c for c in proposals if c.kernels]
     jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
-            for c in proposals + alternatives]
-    results = compile_many(jobs, max_workers=workers or None) if jobs else []
-    results, alt_results = results[:len(proposals)], results[len(proposals):]
+            for c in built + alternatives]
+    compiled = compile_many(jobs, max_workers=workers or None) if jobs else []
+    by_cand = {id(c): r for c, r in zip(built, compiled)}
+    results = [by_cand.get(id(c), _NOTHING_TO_BUILD) for c in proposals]
+    alt_results = compiled[len(built):]
     notes = []
     for alt, result in zip(alternatives, alt_results):
         if isinstance(result, CompileError):  # the template's own candidate still races
@@ -104,8 +109,8 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             by_id[cand.region_id].reason = f"compile error: {str(result).splitlines()[0]}"
             trajectory.attempts.append(Attempt("generate", cand, None))
             continue
-        cand.cubin = result.cubin
-        cand.compile_s = result.seconds
+        if result is not _NOTHING_TO_BUILD:
+            cand.cubin, cand.compile_s = result.cubin, result.seconds
         out.candidates[cand.region_id] = cand
         trajectory.attempts.append(Attempt("generate", cand, None))
     _add_llm_candidates(out, task, subtasks, arch, config)

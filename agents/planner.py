@@ -43,7 +43,7 @@ import torch.fx
 from stitch_backend.ir import Plan, Region, RegionKind
 from stitch_backend.layout import CONVERSION as LAYOUT_CONVERSION
 from stitch_backend.pooling import POOLING
-from stitch_backend.opclass import OpClass, classify, fallback_reason, op_name
+from stitch_backend.opclass import POOL_OPS, OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary, feeding
 
 log = logging.getLogger("stitch_backend.agents.planner")
@@ -204,7 +204,9 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
                     and max(_producers(node)) <= regions.index(current):
                 add(node, current)
                 if cls is OpClass.REDUCTION:   # a pooling: what follows is of its size
-                    current.anchor_numel = _numel(node)
+                    val = node.meta.get("val")  # (values, indices) of a max pooling
+                    current.anchor_numel = _numel(node) if not isinstance(val, tuple) else (
+                        val[0].numel())
                 continue
             target = _fused_target(node)
             if target is not None:
@@ -418,15 +420,18 @@ def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:
 def _is_epilogue(node: torch.fx.Node, cls: OpClass, region: _Open) -> bool:
     """Whether ``node`` can be fused after the gemm/conv product of ``region``: a
     pointwise op of the product's size (or of a pooling's, after one), a convolution's
-    BatchNorm, or the amax/mean a disjoint-window pooling became (stitch_backend.pooling),
-    which then reads the epilogue's values as its kernel computes them instead of a
-    written copy (the BatchNorm's normalisation, say, when its statistics are split)."""
+    BatchNorm, or a pooling: the amax/mean a disjoint-window pooling became
+    (stitch_backend.pooling) or a pooling op over overlapping windows, which then reads
+    the epilogue's values as its kernel computes them instead of a written copy (the
+    BatchNorm's normalisation, say, when its statistics are split)."""
     if cls is OpClass.POINTWISE:
         return _same_numel(_numel(node), region.anchor_numel)
     if region.kind is RegionKind.CONV and cls is OpClass.NORM:
         return op_name(node) in _CONV_EPILOGUE_NORMS
     if region.kind is RegionKind.CONV and cls is OpClass.REDUCTION:
-        return bool(node.meta.get(POOLING))
+        # a pooling over overlapping windows (codegen.lower_pooling) reads each epilogue
+        # value for every window it falls in: recomputed, not stored and read back
+        return bool(node.meta.get(POOLING)) or node.target in POOL_OPS
     return False
 
 

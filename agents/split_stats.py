@@ -1,12 +1,14 @@
-"""Training BatchNorm over few channels, split across the whole GPU (an alternative
-candidate the Verifier races against the one-kernel template).
+"""Training BatchNorm over few channels, and layer norm over few rows, split across the
+whole GPU (an alternative candidate the Verifier races against the one-kernel template).
 
 The template lowers a training BatchNorm to one kernel with a block per channel: with
 64 channels on 132 SMs, half the GPU idles while each block reads its channel three
 times. Here the statistics are two-level sums instead: ``x.view(N, C, G, L)`` summed
 over N and L gives C*G partial sums (rows enough for every SM), a small kernel finishes
 each channel; the same for the squared deviations (two-pass variance, as robust as
-eager's); then one pointwise kernel normalises and runs the rest of the region.
+eager's); then one pointwise kernel normalises and runs the rest of the region. A layer
+norm over few long rows (L1's (16, 64, 256, 256) normalised over its last three dims:
+16 blocks for 132 SMs) is split the same way, ``x.view(R, G, L)`` summed over L.
 
 Everything is expressed as core ATen ops on a copy of the region module, so each stage
 is an ordinary generated kernel (the same templates the GPU tests cover), and the ATen
@@ -28,6 +30,8 @@ from stitch_backend.regions import copy_graph
 
 aten = torch.ops.aten
 BN_TRAIN = aten._native_batch_norm_legit_functional.default
+LAYER_NORM = aten.native_layer_norm.default
+SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM)   # each planned and rewritten per _SPLITS below
 
 # Split only when the channels leave SMs idle and each partial sum still has work.
 MIN_PARTIAL_LEN = 512
@@ -92,36 +96,41 @@ def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
     return best
 
 
-def split_batchnorm(module: torch.fx.GraphModule, sm_count: int,
-                    contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
-    """``module`` (a region module) with its training BatchNorms rewritten into two-level
-    sums, or None when the rewrite does not apply to each of them or would not help.
+def split_norms(module: torch.fx.GraphModule, sm_count: int,
+                contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
+    """``module`` (a region module) with its training BatchNorms and layer norms rewritten
+    into two-level sums, or None when the rewrite does not apply to each of them or would
+    not help.
 
     A channels-last input (the layout pass's convolutions) is always split when its
     channels leave SMs idle: one kernel per region would reduce it as columns with a
-    block per 8 channels. A contiguous (NCHW) input only with ``contiguous``.
+    block per 8 channels. A contiguous (NCHW) BatchNorm input, and a layer norm's (rows
+    that leave SMs idle), only with ``contiguous``.
 
     Several BatchNorms (a residual block's two branches, which the Planner puts in one
     region: ``agents.planner._defer_norms``) each get their statistics stages; one last
     pointwise stage normalises them all and runs the rest of the region.
 
     ``single_pass``: the statistics read the input once instead of twice. The partial
-    sums are of ``d = x - s`` and ``d * d``, where ``s`` is the channel's first element
-    ``x[0, c, 0, 0]`` (a shift close to the channel's values, so ``E[d^2] - E[d]^2``
-    does not cancel the way ``E[x^2] - E[x]^2`` does for a channel whose mean is large
-    against its spread); three kernels instead of five."""
-    bns = [n for n in module.graph.nodes if n.op == "call_function" and n.target is BN_TRAIN]
-    if not bns:
+    sums are of ``d = x - s`` and ``d * d``, where ``s`` is the channel's (the row's)
+    first element (a shift close to its values, so ``E[d^2] - E[d]^2`` does not cancel
+    the way ``E[x^2] - E[x]^2`` does where the mean is large against the spread); three
+    kernels instead of five."""
+    norms = [n for n in module.graph.nodes
+             if n.op == "call_function" and n.target in SPLIT_TARGETS]
+    if not norms:
         return None
-    plans = [_plan(bn, sm_count, contiguous) for bn in bns]
+    plans = [_SPLITS[n.target][0](n, sm_count, contiguous) for n in norms]
     if any(p is None for p in plans):
         return None
     new = torch.fx.GraphModule(module, copy_graph(module.graph))
-    new_bns = [nd for nd in new.graph.nodes if nd.target is BN_TRAIN]
-    # statistics stages (0-3) of each BatchNorm in turn, then the normalisation of all
-    stages: list[list[str]] = [[] for _ in range(4 * len(bns) + 1)]
-    for i, (bn, plan) in enumerate(zip(new_bns, plans)):
-        _rewrite(new, bn, plan, stages[4 * i: 4 * i + 4] + [stages[-1]], single_pass)
+    new_norms = [nd for nd in new.graph.nodes
+                 if nd.op == "call_function" and nd.target in SPLIT_TARGETS]
+    # statistics stages (0-3) of each norm in turn, then the normalisation of all
+    stages: list[list[str]] = [[] for _ in range(4 * len(norms) + 1)]
+    for i, (norm, plan) in enumerate(zip(new_norms, plans)):
+        _SPLITS[norm.target][1](new, norm, plan, stages[4 * i: 4 * i + 4] + [stages[-1]],
+                                single_pass)
     ours = {name for stage in stages for name in stage}
     stages[-1] += [nd.name for nd in new.graph.nodes
                    if nd.op == "call_function" and nd.name not in ours]
@@ -146,18 +155,37 @@ class _SplitPlan(NamedTuple):
     groups: int
 
 
+class _RowPlan(NamedTuple):
+    """How one layer norm's input is split: ``rows`` rows of ``size`` elements, each
+    summed in ``groups`` parts; ``stat_shape`` is its mean's and 1/std's shape."""
+
+    rows: int
+    size: int
+    groups: int
+    stat_shape: tuple[int, ...]
+
+
+def _static_fp32(x, users) -> torch.Tensor | None:
+    """``x``'s value where a split can recompute and read it: fp32 of static sizes,
+    computed in the region by a short pointwise chain at most, the norm's outputs taken
+    by getitem; else None."""
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if (not isinstance(xv, torch.Tensor) or xv.dtype != torch.float32
+            or _pointwise_chain(x) is None
+            or any(isinstance(s, torch.SymInt) for s in xv.shape)
+            or not all(u.op == "call_function" and u.target is operator.getitem
+                       for u in users)):
+        return None
+    return xv
+
+
 def _plan(bn: torch.fx.Node, sm_count: int, contiguous: bool) -> _SplitPlan | None:
     """The split of ``bn``'s statistics; None where it does not
     apply (eval mode, not 4-D fp32 of static sizes, an input the stages cannot
     recompute, channels enough for one kernel)."""
     x, weight, bias, rmean, rvar, training, momentum, eps = bn.args
-    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    chain = _pointwise_chain(x) if isinstance(x, torch.fx.Node) else None
-    if (not training or chain is None or not isinstance(xv, torch.Tensor)
-            or xv.dim() != 4 or xv.dtype != torch.float32
-            or any(isinstance(s, torch.SymInt) for s in xv.shape)
-            or not all(u.op == "call_function" and u.target is operator.getitem
-                       for u in bn.users)):
+    xv = _static_fp32(x, bn.users)
+    if not training or xv is None or xv.dim() != 4:
         return None
     n, c, h, w = (int(s) for s in xv.shape)
     channels_last = not xv.is_contiguous() and xv.is_contiguous(memory_format=torch.channels_last)
@@ -172,36 +200,97 @@ def _plan(bn: torch.fx.Node, sm_count: int, contiguous: bool) -> _SplitPlan | No
     return _SplitPlan(n, c, h, w, channels_last, groups)
 
 
+def _plan_rows(ln: torch.fx.Node, sm_count: int, contiguous: bool) -> _RowPlan | None:
+    """The split of layer norm ``ln``'s statistics; None where it does not apply (not
+    fp32 of static sizes and contiguous, rows enough for one kernel) or ``contiguous``
+    is off."""
+    x, shape, weight, bias = ln.args[:4]
+    xv = _static_fp32(x, ln.users)
+    if not contiguous or xv is None or not xv.is_contiguous() or not shape:
+        return None
+    if any(isinstance(t, torch.fx.Node) and t.meta.get("val") is not None
+           and t.meta["val"].dtype != torch.float32 for t in (weight, bias)):
+        return None
+    axis = xv.dim() - len(shape)
+    rows = math.prod(int(s) for s in xv.shape[:axis])
+    size = math.prod(int(s) for s in xv.shape[axis:])
+    groups = groups_for(rows, size, sm_count)
+    if groups is None:
+        return None
+    return _RowPlan(rows, size, groups, tuple(int(s) for s in xv.shape[:axis]) + (1,) * len(shape))
+
+
+class _Builder:
+    """Appends a rewrite's nodes to ``new``, each named into the stage that runs it."""
+
+    def __init__(self, new: torch.fx.GraphModule, stages: list[list[str]], x: torch.fx.Node):
+        self.new, self.stages, self.x = new, stages, x
+        self.chain = _pointwise_chain(x)
+        self.recomputed: dict[int, torch.fx.Node] = {}
+
+    def op(self, stage: int, target, *args) -> torch.fx.Node:
+        node = self.new.graph.call_function(target, args)
+        node._rename(f"sk_{target.__name__.split('.')[0]}")
+        self.stages[stage].append(node.name)
+        return node
+
+    def x_in(self, stage: int) -> torch.fx.Node:
+        """The norm's input as ``stage`` reads it: computed again in that stage's kernel
+        where the region computes it (a convolution's bias add) instead of stored."""
+        if not self.chain:
+            return self.x
+        if stage not in self.recomputed:
+            copies: dict[torch.fx.Node, torch.fx.Node] = {}
+            for nd in self.chain:
+                copy = self.new.graph.node_copy(nd, lambda a: copies.get(a, a))
+                copy._rename(f"sk_{nd.name}")
+                self.stages[stage].append(copy.name)
+                copies[nd] = copy
+            self.recomputed[stage] = copies[self.x]
+        return self.recomputed[stage]
+
+    def moments(self, grouped, per_group, shift, part_dims: list[int],
+                total_dims: list[int], count: float, single_pass: bool):
+        """(mean, biased variance) from two-level sums of ``grouped(stage)`` (the input
+        viewed with a partial-sum axis): partial sums over ``part_dims`` (stage 0), then
+        over ``total_dims``; ``per_group(stage, v)`` views a statistic to broadcast
+        against ``grouped``; ``shift(stage)`` is the single pass's shift."""
+        op = self.op
+        if single_pass:
+            # stage 0: partial sums of d and d*d; 3: mean and (biased) variance
+            d = op(0, aten.sub.Tensor, grouped(0), per_group(0, shift(0)))
+            parts = op(0, aten.sum.dim_IntList, d, part_dims)
+            parts2 = op(0, aten.sum.dim_IntList, op(0, aten.mul.Tensor, d, d), part_dims)
+            md = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts, total_dims), count)
+            ed2 = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
+            var = op(3, aten.clamp_min.default,
+                     op(3, aten.sub.Tensor, ed2, op(3, aten.mul.Tensor, md, md)), 0.0)
+            return op(3, aten.add.Tensor, shift(3), md), var
+        # stage 0: partial sums; 1: means; 2: partial squared deviations; 3: variance
+        parts = op(0, aten.sum.dim_IntList, grouped(0), part_dims)
+        mean = op(1, aten.div.Tensor, op(1, aten.sum.dim_IntList, parts, total_dims), count)
+        dev = op(2, aten.sub.Tensor, grouped(2), per_group(2, mean))
+        parts2 = op(2, aten.sum.dim_IntList, op(2, aten.mul.Tensor, dev, dev), part_dims)
+        var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
+        return mean, var
+
+    def replace(self, norm: torch.fx.Node, results: list[torch.fx.Node]) -> None:
+        """Point each ``getitem`` of ``norm`` at its result; drop ``norm``."""
+        for user in list(norm.users):
+            user.replace_all_uses_with(results[user.args[1]])
+            self.new.graph.erase_node(user)
+        self.new.graph.erase_node(norm)
+
+
 def _rewrite(new: torch.fx.GraphModule, bn: torch.fx.Node, plan: _SplitPlan,
              stages: list[list[str]], single_pass: bool) -> None:
     """Replace ``bn`` in ``new`` by its two-level statistics (node names appended to
     ``stages[0..3]``) and its normalisation (``stages[4]``)."""
     n, c, h, w, channels_last, groups = plan
     x, weight, bias, rmean, rvar, _, momentum, eps = bn.args
-    chain = _pointwise_chain(x)
+    b = _Builder(new, stages, x)
+    op, x_in = b.op, b.x_in
     count = float(n * h * w)
-    recomputed: dict[int, torch.fx.Node] = {}
-
-    def op(stage: int, target, *args) -> torch.fx.Node:
-        node = new.graph.call_function(target, args)
-        node._rename(f"sk_{target.__name__.split('.')[0]}")
-        stages[stage].append(node.name)
-        return node
-
-    def x_in(stage: int) -> torch.fx.Node:
-        """BatchNorm's input as ``stage`` reads it: computed again in that stage's kernel
-        where the region computes it (a convolution's bias add) instead of stored."""
-        if not chain:
-            return x
-        if stage not in recomputed:
-            copies: dict[torch.fx.Node, torch.fx.Node] = {}
-            for nd in chain:
-                copy = new.graph.node_copy(nd, lambda a: copies.get(a, a))
-                copy._rename(f"sk_{nd.name}")
-                stages[stage].append(copy.name)
-                copies[nd] = copy
-            recomputed[stage] = copies[x]
-        return recomputed[stage]
 
     def per_channel(stage: int, v: torch.fx.Node) -> torch.fx.Node:
         return op(stage, aten.view.default, v, [1, c, 1, 1])
@@ -229,24 +318,8 @@ def _rewrite(new: torch.fx.GraphModule, bn: torch.fx.Node, plan: _SplitPlan,
         return op(stage, aten.select.int, op(stage, aten.select.int, first, 1, 0), 1, 0)
 
     with new.graph.inserting_before(bn):
-        if single_pass:
-            # stage 0: partial sums of d and d*d; 3: mean and (biased) variance
-            d = op(0, aten.sub.Tensor, grouped(0), per_group_channel(0, shift(0)))
-            parts = op(0, aten.sum.dim_IntList, d, part_dims)
-            parts2 = op(0, aten.sum.dim_IntList, op(0, aten.mul.Tensor, d, d), part_dims)
-            md = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts, total_dims), count)
-            ed2 = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
-            var = op(3, aten.clamp_min.default,
-                     op(3, aten.sub.Tensor, ed2, op(3, aten.mul.Tensor, md, md)), 0.0)
-            mean = op(3, aten.add.Tensor, shift(3), md)
-        else:
-            # stage 0: partial sums; 1: means; 2: partial squared deviations
-            parts = op(0, aten.sum.dim_IntList, grouped(0), part_dims)
-            mean = op(1, aten.div.Tensor, op(1, aten.sum.dim_IntList, parts, total_dims), count)
-            dev = op(2, aten.sub.Tensor, grouped(2), per_group_channel(2, mean))
-            parts2 = op(2, aten.sum.dim_IntList, op(2, aten.mul.Tensor, dev, dev), part_dims)
-            var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims),
-                     count)
+        mean, var = b.moments(grouped, per_group_channel, shift, part_dims, total_dims,
+                              count, single_pass)
         # stage 3: 1/std, running statistics (as the template computes them)
         rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
         new_mean = op(3, aten.add.Tensor, op(3, aten.mul.Tensor, mean, momentum),
@@ -261,11 +334,47 @@ def _rewrite(new: torch.fx.GraphModule, bn: torch.fx.Node, plan: _SplitPlan,
             y = op(4, aten.mul.Tensor, y, per_channel(4, weight))
         if bias is not None:
             y = op(4, aten.add.Tensor, y, per_channel(4, bias))
-    results = [y, mean, rstd, new_mean, new_var]
-    for user in list(bn.users):
-        user.replace_all_uses_with(results[user.args[1]])
-        new.graph.erase_node(user)
-    new.graph.erase_node(bn)
+    b.replace(bn, [y, mean, rstd, new_mean, new_var])
+
+
+def _rewrite_rows(new: torch.fx.GraphModule, ln: torch.fx.Node, plan: _RowPlan,
+                  stages: list[list[str]], single_pass: bool) -> None:
+    """Replace layer norm ``ln`` in ``new`` by its two-level statistics over
+    ``x.view(rows, groups, -1)`` (``stages[0..3]``) and its normalisation (``stages[4]``)."""
+    rows, size, groups, stat_shape = plan
+    x, _, weight, bias, eps = ln.args
+    b = _Builder(new, stages, x)
+    op, x_in = b.op, b.x_in
+
+    def grouped(stage: int) -> torch.fx.Node:
+        return op(stage, aten.view.default, x_in(stage), [rows, groups, size // groups])
+
+    def per_group(stage: int, v: torch.fx.Node) -> torch.fx.Node:
+        return op(stage, aten.view.default, v, [rows, 1, 1])
+
+    def shift(stage: int) -> torch.fx.Node:
+        """Each row's first element."""
+        return op(stage, aten.select.int, op(stage, aten.view.default, x_in(stage),
+                                             [rows, size]), 1, 0)
+
+    def per_row(stage: int, v: torch.fx.Node) -> torch.fx.Node:
+        return op(stage, aten.view.default, v, list(stat_shape))
+
+    with new.graph.inserting_before(ln):
+        mean, var = b.moments(grouped, per_group, shift, [2], [1], float(size), single_pass)
+        rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
+        y = op(4, aten.mul.Tensor, op(4, aten.sub.Tensor, x, per_row(4, mean)),
+               per_row(4, rstd))
+        if weight is not None:
+            y = op(4, aten.mul.Tensor, y, weight)
+        if bias is not None:
+            y = op(4, aten.add.Tensor, y, bias)
+        results = [y, per_row(3, mean), per_row(3, rstd)]
+    b.replace(ln, results)
+
+
+# target -> (its plan, its rewrite)
+_SPLITS = {BN_TRAIN: (_plan, _rewrite), LAYER_NORM: (_plan_rows, _rewrite_rows)}
 
 
 # BatchNorm's input may be computed in the region by at most this many pointwise/view ops
@@ -306,4 +415,4 @@ def _propagate_metas(module: torch.fx.GraphModule) -> None:
     FakeTensorProp(module, mode).propagate_dont_convert_inputs(*args)
 
 
-__all__ = ["StatsSplit", "groups_for", "split_batchnorm"]
+__all__ = ["StatsSplit", "groups_for", "split_norms"]

@@ -133,6 +133,45 @@ template <typename T, bool MAX> struct sfk_op_arg {
   }
 };
 
+// (max, sum of exp(x - max)) of softmax's row in one pass ("online" softmax), for rows
+// too long to read three times from the L2: two partial pairs combine by rescaling each
+// sum to the larger maximum. A partial of only -inf elements is {-inf, 0} and adds
+// nothing; NaN propagates through the maximum (sfk_maximum), and through the sum from
+// there.
+template <typename T> struct sfk_mspair {
+  T m;
+  T s;
+};
+__device__ __forceinline__ float sfk_exp_(float x) { return expf(x); }
+__device__ __forceinline__ double sfk_exp_(double x) { return exp(x); }
+__device__ __forceinline__ float sfk_inf_like(float) { return SFK_INF_F; }
+__device__ __forceinline__ double sfk_inf_like(double) { return SFK_INF_D; }
+template <typename T> struct sfk_op_online {
+  __device__ __forceinline__ sfk_mspair<T> operator()(sfk_mspair<T> a, sfk_mspair<T> b) const {
+    const T m = sfk_maximum(a.m, b.m);
+    if (m == -sfk_inf_like(m)) return sfk_mspair<T>{m, a.s + b.s};
+    const T sa = a.s == T(0) ? T(0) : a.s * sfk_exp_(a.m - m);
+    const T sb = b.s == T(0) ? T(0) : b.s * sfk_exp_(b.m - m);
+    return sfk_mspair<T>{m, sa + sb};
+  }
+};
+
+// One element into a pair: one exp an element, and a second only where the element
+// raises the maximum (rare along a long row: where its values are in random order, about
+// ln(n) times in n). A -inf maximum contributes nothing to the sum (exp(-inf - -inf)
+// would be NaN), so a row of only -inf ends as {-inf, 0} and its softmax
+// exp(-inf - -inf) / 0 is NaN, as eager's; a NaN or a +inf element makes the sum NaN,
+// as eager's exp(x - max) does there.
+template <typename T> __device__ __forceinline__ sfk_mspair<T> sfk_online_add(sfk_mspair<T> a, T x) {
+  const T m = sfk_maximum(a.m, x);               // NaN propagates
+  if (!(m == a.m)) {                             // a new maximum (or a NaN): rescale once
+    a.s = a.m == -sfk_inf_like(x) ? T(0) : a.s * sfk_exp_(a.m - m);
+    a.m = m;
+  }
+  a.s += a.m == -sfk_inf_like(x) ? T(0) : sfk_exp_(x - a.m);
+  return a;
+}
+
 // ----------------------------------------------------------------------------- shuffles
 
 template <typename T> __device__ __forceinline__ T sfk_shfl_xor(T v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
@@ -152,6 +191,13 @@ template <typename T> __device__ __forceinline__ sfk_argpair<T> sfk_shfl_xor(sfk
   sfk_argpair<T> out;
   out.v = sfk_shfl_xor(p.v, m);
   out.i = __shfl_xor_sync(0xffffffffu, p.i, m);
+  return out;
+}
+
+template <typename T> __device__ __forceinline__ sfk_mspair<T> sfk_shfl_xor(sfk_mspair<T> p, int m) {
+  sfk_mspair<T> out;
+  out.m = sfk_shfl_xor(p.m, m);
+  out.s = sfk_shfl_xor(p.s, m);
   return out;
 }
 

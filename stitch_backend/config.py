@@ -83,8 +83,9 @@ class Config:
         default=True,
         metadata=_meta("STITCHCUDA_SPLIT_STATS", True,
                        "Also race split-statistics candidates for training BatchNorm over "
-                       "few channels of an NCHW input (the Verifier keeps the faster; "
-                       "README has the measurement behind the default)."),
+                       "few channels of an NCHW input and for layer norm over few rows "
+                       "(the Verifier keeps the faster; README has the measurement behind "
+                       "the default)."),
     )
     fuse_roots: bool = field(
         default=False,

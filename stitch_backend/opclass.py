@@ -47,6 +47,11 @@ def _maybe(*names: str) -> list:
     return [getattr(aten, n) for n in names if hasattr(aten, n)]
 
 
+def _mutates(op: torch._ops.OpOverload) -> bool:
+    schema = op._schema
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+
+
 GEMM_OPS = _ops(aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul,
                 aten._addmm_activation)
 CONV_OPS = _ops(aten.convolution, aten.convolution_backward, aten._convolution,
@@ -64,7 +69,8 @@ ATTENTION_OPS = _ops(
 )
 REDUCTION_OPS = _ops(aten.sum, aten.mean, aten.amax, aten.amin, aten.prod, aten.var,
                      aten.var_mean, aten.std, aten.std_mean, aten.argmax, aten.argmin,
-                     aten.any, aten.all, aten.max.dim, aten.min.dim, aten.logsumexp,
+                     aten.any, aten.all, aten.max.dim, aten.min.dim, aten.max.default,
+                     aten.min.default, aten.logsumexp,
                      aten.norm, aten.linalg_vector_norm)
 NORM_OPS = _ops(aten._softmax, aten._log_softmax, aten.native_layer_norm,
                 aten.native_group_norm, aten._native_batch_norm_legit,
@@ -82,9 +88,20 @@ VIEW_OPS = _ops(aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.e
                 aten.select, aten.alias, aten.as_strided, aten.split, aten.split_with_sizes,
                 aten.unbind, aten.chunk, aten.narrow, aten.view_as, aten.expand_as,
                 aten.detach, aten.lift_fresh_copy)
-# Copy-like ops that are pointwise in effect though not tagged so.
+# Pooling: a reduction over each window (``codegen.lower_pooling``), where max pooling's
+# indices are not read (then it stays on ATen, which computes them).
+MAX_POOL_OPS = _ops(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
+# Copy-like ops that are pointwise in effect though not tagged so (cat: each element
+# copied from one input, codegen.lower_views), and elementwise ops
+# the Coder lowers that some torch versions leave untagged (torch 2.11 on the H200 made
+# L1's leaky_relu a fallback "no template covers"; hardswish, rsub, fmod, remainder,
+# floor_divide, copysign and fix carry no pointwise tag in 2.13); their out= overloads
+# (which write an argument) stay out.
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
-                       torch.ops.prims.convert_element_type)
+                       torch.ops.prims.convert_element_type, aten.cat.default) | frozenset(
+    op for op in _ops(aten.leaky_relu, aten.hardswish, aten.rsub, aten.fmod, aten.remainder,
+                      aten.floor_divide, aten.copysign, aten.fix) if not _mutates(op))
 
 
 def classify(node: torch.fx.Node) -> OpClass:
@@ -103,6 +120,8 @@ def classify(node: torch.fx.Node) -> OpClass:
     # dropout replaces them).
     if target in ATTENTION_OPS:
         return OpClass.ATTENTION
+    if target in POOL_OPS:
+        return OpClass.OTHER if pool_unsupported(node) else OpClass.REDUCTION
     if torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM
     for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),
@@ -114,6 +133,46 @@ def classify(node: torch.fx.Node) -> OpClass:
     if torch.Tag.pointwise in tags and not _mutates(target):
         return OpClass.POINTWISE
     return OpClass.OTHER
+
+
+def pool_unsupported(node: torch.fx.Node) -> str | None:
+    """Why the generated pooling (codegen.lower_pooling) cannot run pooling ``node``
+    (None: it can), so the Planner leaves it to ATen in a region of its own instead of
+    fusing it with neighbours it would then drag to ATen too."""
+    name = op_name(node)
+    if node.target in MAX_POOL_OPS and reads_indices(node):
+        return (f"{name}'s indices are read (by a backward, say): the generated pooling "
+                "computes only the values")
+    ceil_at = 5 if node.target in MAX_POOL_OPS else 4
+    if len(node.args) > ceil_at and node.args[ceil_at] or node.kwargs.get("ceil_mode"):
+        return f"{name} in ceil mode: the generated pooling takes floor-mode windows"
+    x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return f"{name} of a non-floating-point input"
+    if any(isinstance(s, torch.SymInt) for s in x.shape):
+        return f"{name} over symbolic sizes"
+    return None
+
+
+def reads_indices(node: torch.fx.Node) -> bool:
+    """Whether anything reads output 1 (the indices) of multi-output ``node`` (a max
+    pooling) on its way to the graph's outputs, or takes the whole tuple."""
+    return any(u.target is not operator.getitem or (u.args[1] != 0 and _live(u))
+               for u in node.users)
+
+
+def _live(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches the graph's output (a traced graph keeps the
+    getitem of an output nobody uses, and views of it)."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n.op == "output":
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo += n.users
+    return False
 
 
 def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
@@ -130,6 +189,8 @@ def fallback_reason(node: torch.fx.Node, cls: OpClass) -> str:
             return f"{name} mutates its input: in-place ops stay on ATen"
         if torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags:
             return f"{name} has a data-dependent output shape"
+        if target in POOL_OPS and (why := pool_unsupported(node)):
+            return why
     return f"no stitchcuda template covers {name}"
 
 
@@ -147,9 +208,6 @@ def op_name(node: torch.fx.Node) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _mutates(op: torch._ops.OpOverload) -> bool:
-    schema = op._schema
-    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _is_symbolic(node: torch.fx.Node) -> bool:

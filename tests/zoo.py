@@ -30,6 +30,22 @@ class ConvBNReLU(nn.Module):
         return F.relu(self.bn(self.conv(x)))
 
 
+class PooledStem(nn.Module):
+    """A ResNet stem: 7x7/2 conv, BatchNorm, ReLU, 3x3/2 max pool (overlapping windows),
+    then an average pool with padding and a pointwise op after it."""
+
+    def __init__(self, c_out=8):
+        super().__init__()
+        self.conv = nn.Conv2d(3, c_out, 7, 2, 3, bias=False)
+        self.bn = nn.BatchNorm2d(c_out)
+
+    def forward(self, x):
+        y = F.max_pool2d(F.relu(self.bn(self.conv(x))), 3, 2, 1)
+        # scaled down: the zoo's training test sums squares, and gradients in the
+        # thousands carry fp32 rounding of the order of its absolute tolerance
+        return F.avg_pool2d(y, 3, 1, 1, count_include_pad=False) * 0.25
+
+
 class ResidualBlock(nn.Module):
     def __init__(self, c=8):
         super().__init__()
@@ -218,6 +234,7 @@ def zoo() -> dict[str, tuple[type, callable]]:
     return {
         "mlp": (MLP, lambda b: [torch.randn(b, 32)]),
         "conv_bn_relu": (ConvBNReLU, lambda b: [torch.randn(b, 3, 12, 12)]),
+        "pooled_stem": (PooledStem, lambda b: [torch.randn(b, 3, 24, 24)]),
         "residual_block": (ResidualBlock, lambda b: [torch.randn(b, 8, 10, 10)]),
         "residual_downsample": (DownsampleBlock, lambda b: [torch.randn(b, 4, 10, 10)]),
         "depthwise_separable": (DepthwiseSeparable, lambda b: [torch.randn(b, 8, 10, 10)]),

@@ -80,6 +80,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "call is a cold compile; keep: use the environment's (default: %(default)s)")
     p.add_argument("--no-recompile", action="store_true",
                    help="skip the in-process recompile timing (torch._dynamo.reset() + first call)")
+    p.add_argument("--interleave", action="store_true",
+                   help="compile and check every backend of a task first, then time them in "
+                        "rounds that rotate their order (a card drifting during the task "
+                        "weighs on all alike; all backends stay in memory at once)")
     p.add_argument("--no-plot", action="store_true", help="do not write speedups.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or per-task lines")
 
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
         runs=args.runs if args.runs is not None else (100 if on_gpu else 10),
         warmup=args.warmup if args.warmup is not None else (10 if on_gpu else 2),
         timeout_s=args.timeout, out_dir=args.out, resume=args.resume, seed=args.seed,
-        caches=args.caches, recompile=not args.no_recompile, plot=not args.no_plot,
+        caches=args.caches, recompile=not args.no_recompile, interleave=args.interleave,
+        plot=not args.no_plot,
         progress=not args.no_progress, report_only=args.report_only, jobs=args.jobs,
         share_gpu=on_gpu and args.share_gpu and args.jobs > gpus,
         gpus=gpus)

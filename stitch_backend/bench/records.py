@@ -39,6 +39,9 @@ class BenchRecord:
     trials: int = 0
     median_ms: float | None = None
     call_peak_mb: float | None = None   # device memory one call needs beyond its inputs
+    gpu_before: dict[str, float] | None = None  # NVML temp/clock/power as timing began
+    gpu_after: dict[str, float] | None = None   # ... and as it ended (timing.gpu_state)
+    timing_rounds: int | None = None    # interleaved: its runs were split over this many rounds
     io_bytes: int | None = None         # inputs + parameters/buffers + outputs, each once
     p10_ms: float | None = None
     p90_ms: float | None = None

@@ -47,6 +47,21 @@ def _compile_cell(result: TaskResult, backend: str) -> str:
     return cell
 
 
+def _gpu_cell(rec: BenchRecord | None) -> str:
+    """Before -> after a backend's timing: temperature, SM clock, power (where NVML was
+    read), the device's free memory, and allocations retried meanwhile ("—" unknown)."""
+    if rec is None or not rec.gpu_before or not rec.gpu_after:
+        return "—"
+    a, b = rec.gpu_before, rec.gpu_after
+    parts = [f"{a[k]:.0f} -> {b[k]:.0f} {unit}" for k, unit in
+             (("temp_c", "C"), ("sm_mhz", "MHz"), ("power_w", "W")) if k in a and k in b]
+    parts.append(f"{b.get('free_gib', 0):.0f} GiB free")
+    retries = b.get("alloc_retries", 0) - a.get("alloc_retries", 0)
+    if retries:
+        parts.append(f"{retries:.0f} allocation retries")
+    return ", ".join(parts)
+
+
 def _notes(result: TaskResult) -> str:
     notes = []
     any_rec = next(iter(result.records.values()))
@@ -131,6 +146,19 @@ def render_markdown(results: Sequence[TaskResult], summaries: Sequence[BackendSu
         lines.append("|" + "---|" * len(head))
         for r in results:
             cells = [_fmt(getattr(r.records.get(b), "gb_per_s", None), ".0f") for b in backends]
+            lines.append("| " + " | ".join([r.task, *cells]) + " |")
+        lines.append("")
+
+    if any(rec.gpu_before for r in results for rec in r.records.values()):
+        lines += ["## GPU while timing: temperature, SM clock, power, memory", "",
+                  "As each backend's timed runs began -> ended (NVML, the caching allocator): "
+                  "backends are timed one after another, so a later one may meet a hotter, "
+                  "lower-clocked card or less free memory; allocation retries are timed calls "
+                  "that had to return cached memory to the driver first.", ""]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for r in results:
+            cells = [_gpu_cell(r.records.get(b)) for b in backends]
             lines.append("| " + " | ".join([r.task, *cells]) + " |")
         lines.append("")
 

@@ -57,6 +57,7 @@ class BenchConfig:
     seed: int = 42
     caches: str = "fresh"            # "fresh" or "keep"
     recompile: bool = True
+    interleave: bool = False         # compile every backend, then time in rotating rounds
     plot: bool = True
     progress: bool = True
     python: str = sys.executable
@@ -127,7 +128,8 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
     task_cfg = TaskConfig(spec=ref.spec, name=ref.name, backends=list(cfg.backends),
                           device=cfg.device, mode=cfg.mode, trials=cfg.trials, runs=cfg.runs,
                           warmup=cfg.warmup, seed=cfg.seed, task_run=task_run,
-                          caches=cfg.caches, recompile=cfg.recompile)
+                          caches=cfg.caches, recompile=cfg.recompile,
+                          interleave=cfg.interleave)
     with tempfile.TemporaryDirectory(prefix="stitchcuda-bench-") as tmp_name:
         tmp = Path(tmp_name)
         out = tmp / "records.jsonl"
@@ -405,7 +407,8 @@ def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:
     return {"device": cfg.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
             "triton": env.get("triton"), "mode": cfg.mode, "trials": cfg.trials,
             "runs": cfg.runs, "caches": cfg.caches, "tasks": len(results),
-            "gpu_shared_by": _shared_by(cfg)}
+            "gpu_shared_by": _shared_by(cfg),
+            "timing": "interleaved rounds" if cfg.interleave else None}
 
 
 def _shared_by(cfg: BenchConfig) -> int | None:

@@ -41,6 +41,28 @@ class L2Flusher:
         self._buf.zero_()
 
 
+def gpu_state(device: torch.device) -> dict[str, float] | None:
+    """The card as a backend's timed runs begin or end: temperature (C), SM clock (MHz)
+    and power draw (W) from NVML where it can be read (records timed one after another
+    show whether the card drifted: a backend timed after another's long compile may find
+    it hotter and clocked lower), and the caching allocator's reserved and the device's
+    free memory (GiB) with its count of allocations retried after freeing its cache
+    (timed calls that each had to return cached memory to the driver); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    state = {"reserved_gib": round(torch.cuda.memory_reserved(device) / 2**30, 2),
+             "free_gib": round(free / 2**30, 2),
+             "alloc_retries": float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
+    try:
+        state.update(temp_c=float(torch.cuda.temperature(device)),
+                     sm_mhz=float(torch.cuda.clock_rate(device)),
+                     power_w=round(torch.cuda.power_draw(device) / 1000.0, 1))
+    except Exception:  # noqa: BLE001 - NVML absent or unreadable: memory only
+        pass
+    return state
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile ``q`` in [0, 100] of a non-empty list."""
     xs = sorted(values)
@@ -56,6 +78,13 @@ def time_call(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup:
               flusher: L2Flusher | None = None) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then ``runs`` timed ones; on CUDA each timed
     run is preceded by ``flusher()`` (when given) and a synchronize."""
+    return summarize(run_times(fn, device, runs=runs, warmup=warmup, flusher=flusher),
+                     warmup, device)
+
+
+def run_times(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup: int,
+              flusher: L2Flusher | None = None) -> list[float]:
+    """The milliseconds of each of ``runs`` timed calls, as ``time_call`` takes them."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     for _ in range(warmup):
@@ -73,15 +102,19 @@ def time_call(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        clock = "cuda-events"
     else:
         for _ in range(runs):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        clock = "cpu"
+    return times
+
+
+def summarize(times: list[float], warmup: int, device: torch.device) -> Timing:
+    """Median and spread of ``times`` (milliseconds)."""
     return Timing(median_ms=statistics.median(times), p10_ms=percentile(times, 10),
-                  p90_ms=percentile(times, 90), runs=runs, warmup=warmup, clock=clock)
+                  p90_ms=percentile(times, 90), runs=len(times), warmup=warmup,
+                  clock="cuda-events" if device.type == "cuda" else "cpu")
 
 
 def time_first_call(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:

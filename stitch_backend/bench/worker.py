@@ -4,7 +4,10 @@
 loads the problem (executing the user's file), builds references, then for each backend
 in turn: builds the model under the same seed, compiles, checks correctness, times, and
 appends one ``BenchRecord`` to ``--out`` (flushed, so a crash later keeps it). All
-backends run in this one process, so their times are side by side.
+backends run in this one process, so their times are side by side. With
+``--interleave``, every backend is compiled and checked first, then timed in rounds
+that rotate their order, so a card that drifts while the task runs (warming up, its
+clocks falling) weighs on every backend alike instead of on the ones timed last.
 
 Following KernelBench: the model stays in training mode (``--eval`` switches), every
 call runs under ``torch.no_grad()``, fp32, and ``torch.manual_seed(seed)`` precedes the
@@ -31,7 +34,7 @@ from . import backends as backends_mod
 from ..correctness import Comparison, compare, flatten_outputs
 from .problems import Problem, load_problem
 from .records import ERROR, OK, BenchRecord, append_records
-from .timing import L2Flusher, time_call, time_first_call
+from .timing import L2Flusher, gpu_state, run_times, summarize, time_call, time_first_call
 from .turns import GpuTurn
 
 ERROR_TAIL_CHARS = 4000
@@ -54,6 +57,7 @@ class TaskConfig:
     caches: str = "keep"
     recompile: bool = True
     ref_cache_bytes: int | None = None      # None: an eighth of device memory (CUDA), 4 GiB (CPU)
+    interleave: bool = False                # compile all, then time in rotating rounds
 
     def to_argv(self, out: Path) -> list[str]:
         argv = ["--spec", self.spec, "--name", self.name, "--backends", ",".join(self.backends),
@@ -64,6 +68,8 @@ class TaskConfig:
             argv.append("--no-recompile")
         if self.ref_cache_bytes is not None:
             argv += ["--ref-cache-bytes", str(self.ref_cache_bytes)]
+        if self.interleave:
+            argv.append("--interleave")
         return argv
 
 
@@ -282,18 +288,34 @@ def _call_peak_mb(call, device: torch.device) -> float | None:
     return round((peak - base) / 2**20, 3)
 
 
-def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
-                device: torch.device, flusher: L2Flusher | None,
-                turn: GpuTurn | None = None) -> dict[str, Any]:
-    """Compile, check and time one backend; the record's fields (raises on failure).
-    With a shared GPU (``turn``), everything but a host-compiled backend's first call
-    (its compile) runs in this task's turn on the GPU."""
+@dataclass
+class Ready:
+    """A backend compiled and checked, its timing still to come: ``call()`` runs it once
+    on the timing inputs; ``fields`` are its record's so far."""
+
+    name: str
+    model: torch.nn.Module
+    compiled: backends_mod.Compiled
+    marker: Any
+    call: Callable[[], Any]
+    fields: dict[str, Any]
+
+
+def prepare_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
+                    device: torch.device, turn: GpuTurn | None = None,
+                    reset: bool = True) -> Ready:
+    """Compile and check one backend (raises on failure): its first call and the input
+    trials. ``reset`` forgets what Dynamo compiled before
+    (off while earlier backends wait to be timed: they would compile again). With a
+    shared GPU (``turn``), everything but a host-compiled backend's first call (its
+    compile) runs in this task's turn on the GPU."""
     import torch._dynamo
 
     turn = turn or GpuTurn(None)
     fields: dict[str, Any] = {}
     with turn:
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
         model = build_model(problem, cfg, device)
         compiled = backends_mod.wrap(name, model)
         marker = backends_mod.graph_count_marker(compiled)
@@ -306,49 +328,85 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
         checks = [("first call", compare(out, ref0.eager, ref0.fp64))]
         out_bytes = _nbytes(out)
         del out, ref0
-        fields.update(_check_and_time(name, model, compiled, refs, cfg, device, flusher, checks, out_bytes))
-        fields["backend_records"] = backends_mod.backend_records(compiled, since=marker)
-        fields["backend_source"] = compiled.source
-    return fields
+        for t in range(cfg.trials):
+            ref = refs.trial(t)
+            torch.manual_seed(refs.trial_seeds[t])
+            out = compiled.fn(*_clone(ref.inputs))
+            checks.append((f"trial {t}", compare(out, ref.eager, ref.fp64)))
+            del out, ref
+        fields.update(_aggregate(checks))
+        if refs.fp64_error:
+            fields["reason"] += f" [fp64 reference unavailable: {refs.fp64_error}]"
+        timing_inputs = _clone(refs.trial(0).inputs)
+        fields["io_bytes"] = (_nbytes(timing_inputs) + out_bytes
+                              + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
+    return Ready(name, model, compiled, marker, lambda: compiled.fn(*timing_inputs), fields)
 
 
-def _check_and_time(name: str, model: torch.nn.Module, compiled: backends_mod.Compiled,
-                    refs: References, cfg: TaskConfig, device: torch.device,
-                    flusher: L2Flusher | None, checks: list[tuple[str, Comparison]],
-                    out_bytes: int) -> dict[str, Any]:
-    """After the first call: the input trials, timing, peak memory and the recompile."""
+def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
+                device: torch.device, flusher: L2Flusher | None,
+                turn: GpuTurn | None = None) -> dict[str, Any]:
+    """Compile, check and time one backend; the record's fields (raises on failure)."""
+    turn = turn or GpuTurn(None)
+    ready = prepare_backend(name, problem, refs, cfg, device, turn)
+    with turn:
+        before = gpu_state(device)
+        timing = time_call(ready.call, device, runs=cfg.runs, warmup=cfg.warmup, flusher=flusher)
+        ready.fields.update(gpu_before=before, gpu_after=gpu_state(device),
+                            median_ms=timing.median_ms, p10_ms=timing.p10_ms,
+                            p90_ms=timing.p90_ms, runs=timing.runs, clock=timing.clock)
+        return _finish(ready, refs, cfg, device)
+
+
+def _finish(ready: Ready, refs: References, cfg: TaskConfig,
+            device: torch.device) -> dict[str, Any]:
+    """After the timing (a backend settled over its calls): the memory one call needs,
+    the recompile (where configured) and the backend's own records."""
     import torch._dynamo
 
-    fields: dict[str, Any] = {}
-    for t in range(cfg.trials):
-        ref = refs.trial(t)
-        torch.manual_seed(refs.trial_seeds[t])
-        out = compiled.fn(*_clone(ref.inputs))
-        checks.append((f"trial {t}", compare(out, ref.eager, ref.fp64)))
-        del out, ref
-    fields.update(_aggregate(checks))
-    if refs.fp64_error:
-        fields["reason"] += f" [fp64 reference unavailable: {refs.fp64_error}]"
-
-    timing_inputs = _clone(refs.trial(0).inputs)
-    timing = time_call(lambda: compiled.fn(*timing_inputs), device, runs=cfg.runs,
-                       warmup=cfg.warmup, flusher=flusher)
-    fields["call_peak_mb"] = _call_peak_mb(lambda: compiled.fn(*timing_inputs), device)
-    fields["io_bytes"] = (_nbytes(timing_inputs) + out_bytes
-                          + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
-    fields.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
-                  runs=timing.runs, clock=timing.clock)
-
-    if cfg.recompile and name not in ("eager", "eager-again"):
+    fields = ready.fields
+    fields["call_peak_mb"] = _call_peak_mb(ready.call, device)
+    if cfg.recompile and ready.name not in ("eager", "eager-again"):
         # Dynamo forgets everything; Inductor's/stitchcuda's own caches stay warm.
         torch._dynamo.reset()
-        again = backends_mod.wrap(name, model)
+        again = backends_mod.wrap(ready.name, ready.model)
         again_marker = backends_mod.graph_count_marker(again)
         torch.manual_seed(refs.trial_seeds[0])
-        fields["recompile_first_call_s"], _ = time_first_call(lambda: again.fn(*_clone(timing_inputs)), device)
+        inputs = _clone(refs.trial(0).inputs)
+        fields["recompile_first_call_s"], _ = time_first_call(lambda: again.fn(*inputs), device)
         fields.update(_backend_share(backends_mod.backend_records(again, since=again_marker)))
         del again
+    fields["backend_records"] = backends_mod.backend_records(ready.compiled, since=ready.marker)
+    fields["backend_source"] = ready.compiled.source
     return fields
+
+
+# Interleaved timing: the runs of each backend split over this many rounds at most (each
+# round at least INTERLEAVE_MIN_RUNS runs), the backends' order rotating every round.
+INTERLEAVE_ROUNDS = 4
+INTERLEAVE_MIN_RUNS = 3
+
+
+def time_interleaved(ready: list[Ready], cfg: TaskConfig, device: torch.device,
+                     flusher: L2Flusher | None, turn: GpuTurn) -> None:
+    """Time every backend of ``ready`` in rounds, round i starting at backend i (mod n);
+    the timing fields go into each one's ``fields``, the GPU's state as the first round
+    began and the last ended."""
+    rounds = max(1, min(INTERLEAVE_ROUNDS, cfg.runs // INTERLEAVE_MIN_RUNS))
+    share = [cfg.runs // rounds + (1 if i < cfg.runs % rounds else 0) for i in range(rounds)]
+    times: dict[str, list[float]] = {r.name: [] for r in ready}
+    with turn:
+        before = gpu_state(device)
+        for i, runs in enumerate(share):
+            for r in ready[i % len(ready):] + ready[:i % len(ready)]:
+                times[r.name] += run_times(r.call, device, runs=runs,
+                                           warmup=cfg.warmup if i == 0 else 1, flusher=flusher)
+        after = gpu_state(device)
+    for r in ready:
+        timing = summarize(times[r.name], cfg.warmup, device)
+        r.fields.update(gpu_before=before, gpu_after=after, median_ms=timing.median_ms,
+                        p10_ms=timing.p10_ms, p90_ms=timing.p90_ms, runs=timing.runs,
+                        clock=timing.clock, timing_rounds=rounds)
 
 
 def _backend_share(records: list[Any] | None) -> dict[str, Any]:
@@ -390,6 +448,9 @@ def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
         base["references_s"] = round(time.perf_counter() - started, 3)
         with turn:
             flusher = L2Flusher(device) if device.type == "cuda" else None
+        if cfg.interleave:
+            _run_interleaved(cfg, problem, refs, device, flusher, turn, emit)
+            return
         for b in cfg.backends:
             started = time.perf_counter()
             try:
@@ -398,10 +459,55 @@ def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
                 fields = _error_fields(exc)
             fields.update(refs.facts(), wall_s=round(time.perf_counter() - started, 3))
             emit(b, fields)
-            gc.collect()
-            if device.type == "cuda":
-                with turn:
-                    torch.cuda.empty_cache()
+            _release(device, turn)
+
+
+def _release(device: torch.device, turn: GpuTurn) -> None:
+    """Free what the last backend left behind before the next one runs."""
+    gc.collect()
+    if device.type == "cuda":
+        with turn:
+            torch.cuda.empty_cache()
+
+
+def _run_interleaved(cfg: TaskConfig, problem: Problem, refs: References, device: torch.device,
+                     flusher: L2Flusher | None, turn: GpuTurn,
+                     emit: Callable[[str, dict[str, Any]], None]) -> None:
+    """Every backend compiled and checked (Dynamo reset once, before the first), then all
+    timed in rotating rounds, then each finished (its recompile) and emitted, in order."""
+    ready: list[Ready] = []
+    failed: dict[str, dict[str, Any]] = {}
+    wall: dict[str, float] = {}
+    for i, b in enumerate(cfg.backends):
+        started = time.perf_counter()
+        try:
+            ready.append(prepare_backend(b, problem, refs, cfg, device, turn, reset=i == 0))
+        except Exception as exc:
+            failed[b] = _error_fields(exc)
+        wall[b] = time.perf_counter() - started
+    started = time.perf_counter()
+    try:
+        if ready:
+            time_interleaved(ready, cfg, device, flusher, turn)
+    except Exception as exc:
+        failed.update({r.name: _error_fields(exc, prefix="interleaved timing: ") for r in ready})
+        ready = []
+    share = (time.perf_counter() - started) / max(1, len(ready))
+    finished: dict[str, dict[str, Any]] = {}
+    for r in ready:
+        started = time.perf_counter()
+        try:
+            with turn:
+                finished[r.name] = {"status": OK, **_finish(r, refs, cfg, device)}
+        except Exception as exc:
+            failed[r.name] = _error_fields(exc)
+        wall[r.name] += share + time.perf_counter() - started
+    del ready
+    _release(device, turn)
+    for b in cfg.backends:
+        fields = finished.get(b) or failed[b]
+        fields.update(refs.facts(), wall_s=round(wall[b], 3))
+        emit(b, fields)
 
 
 def _parse(argv: list[str] | None) -> tuple[TaskConfig, Path]:
@@ -420,12 +526,14 @@ def _parse(argv: list[str] | None) -> tuple[TaskConfig, Path]:
     p.add_argument("--caches", default="keep")
     p.add_argument("--no-recompile", action="store_true")
     p.add_argument("--ref-cache-bytes", type=int, default=None)
+    p.add_argument("--interleave", action="store_true")
     p.add_argument("--out", required=True, type=Path)
     a = p.parse_args(argv)
     cfg = TaskConfig(spec=a.spec, name=a.name, backends=[b for b in a.backends.split(",") if b],
                      device=a.device, mode=a.mode, trials=a.trials, runs=a.runs, warmup=a.warmup,
                      seed=a.seed, task_run=a.task_run, caches=a.caches,
-                     recompile=not a.no_recompile, ref_cache_bytes=a.ref_cache_bytes)
+                     recompile=not a.no_recompile, ref_cache_bytes=a.ref_cache_bytes,
+                     interleave=a.interleave)
     return cfg, a.out
 
 

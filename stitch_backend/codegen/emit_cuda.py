@@ -42,16 +42,28 @@ class Emitted:
     max_threads: int = 1024   # its __launch_bounds__: the launch never exceeds it
 
 
+# The most rows a reduction's row loop steps at once: its grid (fused.MAX_ROW_BLOCKS at
+# most) times the rows a block (1024 at most, one thread each).
+ROW_STEP_MAX = 2 ** 30
+
+
 def _fits_int32(ir: KernelIR) -> bool:
     if ir.symbols:
         return False
     # headroom: grid-stride loops step past the end by up to grid * block * VEC (< 2^24)
     limit = 2 ** 31 - 2 ** 24
-    total = 1
-    for e in ir.domain.row_extents + ir.domain.red_extents:
-        total *= int(e)
-    if total >= limit:
-        return False
+    # The templates index rows and reduced elements separately (a row's delinearised
+    # variables, then k), never by row * K + k, so each count must fit, not their product:
+    # a pooling's rows times its window (L1's 805M rows of 8) no longer makes every index
+    # 64-bit. What the offsets reach is bounded by the spans below. A reduction's row
+    # loop steps by up to ROW_STEP_MAX rows (fused.MAX_ROW_BLOCKS blocks of up to 1024).
+    row_limit = 2 ** 31 - ROW_STEP_MAX if ir.domain.red_extents else limit
+    for extents, most in ((ir.domain.row_extents, row_limit), (ir.domain.red_extents, limit)):
+        total = 1
+        for e in extents:
+            total *= int(e)
+        if total >= most:
+            return False
     for arg in ir.inputs + ir.outputs:
         span = sum((int(s) - 1) * abs(int(st)) for s, st in zip(arg.shape, arg.stride))
         if span >= limit:

@@ -135,6 +135,9 @@ class ExprEmitter:
         if r.kind in ("argmax", "argmin"):
             self.red_names[(r.rid, 0)] = f"{name}.v"
             self.red_names[(r.rid, 1)] = f"{name}.i"
+        elif r.kind == "softmax":
+            self.red_names[(r.rid, 0)] = f"{name}.m"
+            self.red_names[(r.rid, 1)] = f"{name}.s"
         else:
             self.red_names[(r.rid, 0)] = name
 

@@ -38,6 +38,8 @@ def _init_value(r: Reduction, ct: str) -> str:
         v = big
     if r.kind in ("argmax", "argmin"):
         return f"sfk_argpair<{ct}>{{{v}, 0x7fffffffffffffffLL}}"
+    if r.kind == "softmax":
+        return f"sfk_mspair<{ct}>{{{small}, ({ct})0}}"
     return v
 
 
@@ -47,11 +49,14 @@ def _op_functor(r: Reduction, ct: str) -> str:
         "max": f"sfk_op_max<{ct}>()", "min": f"sfk_op_min<{ct}>()",
         "any": "sfk_op_any()", "all": "sfk_op_all()",
         "argmax": f"sfk_op_arg<{ct}, true>()", "argmin": f"sfk_op_arg<{ct}, false>()",
+        "softmax": f"sfk_op_online<{ct}>()",
     }[r.kind]
 
 
 def _acc_ctype(r: Reduction) -> str:
     ct = compute_ctype(r.dtype)
+    if r.kind == "softmax":
+        return f"sfk_mspair<{ct}>"
     return f"sfk_argpair<{ct}>" if r.kind in ("argmax", "argmin") else ct
 
 
@@ -60,7 +65,8 @@ def _smem_width(ir: KernelIR) -> int:
     width = 4
     for r in ir.reductions:
         ct = _acc_ctype(r)
-        width = max(width, 16 if ct.startswith("sfk_argpair") else
+        width = max(width, 16 if ct.startswith(("sfk_argpair", "sfk_mspair<double")) else
+                    8 if ct.startswith("sfk_mspair") else
                     4 if ct in ("float", "int", "short", "signed char", "unsigned char", "bool")
                     else 8)
     return width
@@ -155,8 +161,8 @@ def emit_reduction(ir: KernelIR) -> Emitted:
     layout = _layout(ir)
     outer = ir.outer_reductions
     for r in outer:
-        if r.kind in ("argmax", "argmin"):
-            raise Unsupported("argmax/argmin across rows")
+        if r.kind in ("argmax", "argmin", "softmax"):
+            raise Unsupported(f"{r.kind} across rows")
     workspaces = tuple((f"ws{r.rid}", r.dtype) for r in outer)
     extra = [(f"{compute_ctype(dt)}* __restrict__ {n}", n) for n, dt in workspaces]
     if outer:
@@ -235,6 +241,9 @@ def emit_reduction(ir: KernelIR) -> Emitted:
                 if r.kind in ("argmax", "argmin"):
                     idx = em.index(r.index, scope)
                     val = f"sfk_argpair<{ct}>{{{val}, (long long)({idx})}}"
+                elif r.kind == "softmax":
+                    scope.lines.append(f"{scope.ind}acc{r.rid} = sfk_online_add(acc{r.rid}, {val});")
+                    continue
                 scope.lines.append(f"{scope.ind}acc{r.rid} = {_op_functor(r, ct)}(acc{r.rid}, {val});")
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None))

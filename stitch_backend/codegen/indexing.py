@@ -126,6 +126,11 @@ class Simplifier:
 
     def __init__(self, ranges: Mapping[sympy.Symbol, Range]):
         self.ranges = dict(ranges)
+        # a variable of one value is that value: a size-1 dim's loop variable is 0 (a
+        # contiguous size-1 dim shares the next dim's stride, so an index read back from
+        # an offset may carry it elsewhere: i1 + i2 where i2 only takes 0 is i1)
+        self.fixed = {v: lo for v, (lo, hi) in self.ranges.items()
+                      if lo == hi and getattr(lo, "is_Integer", False)}
 
     def bounds(self, e: sympy.Expr) -> Range | None:
         """Inclusive (lo, hi) of ``e`` or None when unknown (e.g. negative coefficients)."""
@@ -178,7 +183,10 @@ class Simplifier:
         return known_nonneg(d - 1 - b[1])
 
     def simplify(self, e: sympy.Expr) -> sympy.Expr:
-        return self._simp(sympy.expand(e))
+        e = sympy.expand(e)
+        if self.fixed:
+            e = sympy.expand(e.xreplace(self.fixed))
+        return self._simp(e)
 
     @functools.lru_cache(maxsize=None)  # noqa: B019 - one Simplifier per kernel
     def _simp(self, e: sympy.Expr) -> sympy.Expr:

@@ -219,6 +219,10 @@ class _Run:
             val = flat.bool().any(-1)
         elif r.kind == "all":
             val = flat.bool().all(-1)
+        elif r.kind == "softmax":      # (max, sum of exp(x - max)), as eager computes them
+            val = flat.to(acc).amax(-1, keepdim=True)
+            self.red[(r.rid, 1)] = (flat.to(acc) - val).exp().sum(-1).reshape(keep)
+            val = val.squeeze(-1)
         elif r.kind in ("argmax", "argmin"):
             pos = flat.argmax(-1, keepdim=True) if r.kind == "argmax" else flat.argmin(-1, keepdim=True)
             idx = torch.as_tensor(self.index(r.index)).expand(self.grid).reshape(flat.shape)

@@ -204,11 +204,13 @@ def map_expr(e: Expr, f_index: Callable[[sympy.Expr], sympy.Expr], memo: dict | 
 
 @dataclass(frozen=True)
 class Reduction:
-    """One reduction; ``kind`` in sum, prod, max, min, argmax, argmin, any, all.
+    """One reduction; ``kind`` in sum, prod, max, min, argmax, argmin, any, all, softmax.
 
     ``body`` is reduced in ``dtype`` (the accumulator type). For argmax/argmin,
     ``index`` is the position that is returned (``RedRef(part=1)``), ties and NaN as
-    eager (first maximum; NaN counts as the maximum).
+    eager (first maximum; NaN counts as the maximum). ``softmax`` is softmax's two
+    statistics in one pass: the maximum (part 0) and the sum of exp(x - maximum)
+    (part 1), partial sums rescaled as partial maxima combine.
     """
 
     rid: int

@@ -175,7 +175,7 @@ class Ctx:
         spec = self._spec(kind, x, dims, dtype, flat_index, what)
         out_shape = tuple(sympy.Integer(1) if j in dims else s for j, s in enumerate(x.shape)) \
             if keepdim else tuple(s for j, s in enumerate(x.shape) if j not in dims)
-        res_dtype = torch.int64 if part == 1 else dtype
+        res_dtype = torch.int64 if part == 1 and kind in ("argmax", "argmin") else dtype
 
         def fn(o: Index) -> Expr:
             if keepdim:

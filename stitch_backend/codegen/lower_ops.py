@@ -470,4 +470,4 @@ def _empty(ctx, node, *args, **kwargs):
 
 
 
-from . import lower_reductions, lower_views  # noqa: E402,F401  (they register their rules)
+from . import lower_pooling, lower_reductions, lower_views  # noqa: E402,F401  (they register their rules)

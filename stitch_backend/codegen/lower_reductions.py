@@ -12,15 +12,19 @@ import sympy
 import torch
 
 from . import indexing as ix
-from .kernel_ir import Const, Expr, Op, SizeVal, Unsupported, acc_type, opmath
+from .kernel_ir import Const, Expr, SizeVal, Unsupported, acc_type, opmath
 from .lower import LT, cast, pointwise
-from .lower_ops import RULES, _dt, _maybe, _shape, rule
+from .lower_ops import RULES, _dt, _maybe, _op, _shape, rule
+
+# Softmax rows this long (1 << 15 fp32 elements: 128 KiB) take their maximum and sum in one
+# pass. The ~264 rows in flight (two 1024-thread blocks on each of 132 SMs) then fill
+# two-thirds of the H200's 50 MB L2 and a second statistics pass increasingly comes from
+# HBM; shorter rows' re-read hits the L2, and there the one-pass form measured slower
+# (8192x4096: 0.140 ms vs 0.097; 524288x512: 0.880 vs 0.605, an earlier, branchier form
+# of it). The threshold itself is reasoned, not measured.
+ONLINE_SOFTMAX_MIN = 1 << 15
 
 aten = torch.ops.aten
-
-
-def _op(name, dtype, *args, params=()) -> Expr:
-    return Op(dtype, name, tuple(args), tuple(params))
 
 
 def _dims(x: LT, dims) -> tuple[int, ...]:
@@ -241,12 +245,22 @@ def _logsumexp(ctx, node, x, dims, keepdim=False):
 
 
 def _softmax_parts(ctx, x: LT, dim: int, c: torch.dtype):
+    """(x - max, sum of exp(x - max)) over ``dim``. Rows of at least ONLINE_SOFTMAX_MIN
+    elements take both statistics in one pass (the ``softmax`` reduction kind), so the
+    row is read twice instead of three times; shorter rows (and symbolic lengths) take
+    the maximum, then the sum: their second read comes from the L2, and the one-pass
+    form's extra work per element made them slower on the H200."""
     d = (dim % x.ndim,) if x.ndim else ()
     xa = _map([x], lambda e: cast(e, c), c)
-    m = ctx.reduce("max", xa, d, True, c, what="softmax")
+    n = x.shape[d[0]] if d else sympy.Integer(1)
+    if n.is_Integer and int(n) >= ONLINE_SOFTMAX_MIN:
+        m = ctx.reduce("softmax", xa, d, True, c, what="softmax")
+        s = ctx.reduce("softmax", xa, d, True, c, part=1, what="softmax")
+    else:
+        m = ctx.reduce("max", xa, d, True, c, what="softmax")
+        s = ctx.reduce("sum", _map([xa, m], lambda a, b: _op("exp", c, _op("sub", c, a, b)), c),
+                       d, True, c, what="softmax")
     shifted = _map([xa, m], lambda a, b: _op("sub", c, a, b), c)
-    s = ctx.reduce("sum", _map([shifted], lambda e: _op("exp", c, e), c), d, True, c,
-                   what="softmax")
     return shifted, s
 
 

@@ -2,8 +2,9 @@
 
 reshape/view split and merge dims (one linearise/delinearise per group of dims whose
 sizes match), permute/transpose reorder, expand/unsqueeze/squeeze insert or drop
-constant-0 indices, slice/select/narrow/split offset them; gather/index_select/
-embedding index with a loaded value (a data-dependent index symbol).
+constant-0 indices, slice/select/narrow/split offset them; cat picks the input its index
+falls in; gather/index_select/embedding index with a loaded value (a data-dependent
+index symbol).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import sympy
 import torch
 
 from . import indexing as ix
-from .lower import LT, bcast_index
-from .lower_ops import _maybe, _shape, _val, rule
+from .kernel_ir import Const, IndexVal, Unsupported
+from .lower import LT, bcast_index, cast
+from .lower_ops import _dt, _maybe, _op, _shape, _val, rule
 
 aten = torch.ops.aten
 
@@ -179,6 +181,46 @@ def _split(ctx, node, x, arg=None, dim=0):
         outs.append(_slice_lt(x, dim, start, shape))
         start = start + ix.sympify_size(shape[dim])
     return tuple(outs)
+
+
+# ----------------------------------------------------------------------------- concatenation
+
+
+@rule(aten.cat.default)
+def _cat(ctx, node, tensors, dim=0):
+    """Each element read from the input its index along ``dim`` falls in: every input
+    is loaded at a position clamped into its own bounds (never outside its memory) and a
+    ``where`` per boundary picks the one that holds it; inputs promote to the result's
+    dtype. Legacy 1-D empty inputs and inputs empty along ``dim`` contribute nothing."""
+    out, shape = _dt(node), _shape(node)
+    d = _norm_dim(dim, len(shape))
+    parts = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0) and t.shape[d] != 0]
+    if not parts:
+        raise Unsupported("cat of empty tensors")
+    sizes = [t.shape[d] for t in parts]
+    if not all(sympy.sympify(n).is_Integer for n in sizes):
+        raise Unsupported("cat along a symbolic size")
+    starts = [sum(int(n) for n in sizes[:i]) for i in range(len(parts))]
+    index_type = torch.int32 if sum(int(n) for n in sizes) < 2 ** 31 else torch.int64
+
+    def fn(o):
+        j = o[d]
+
+        def read(i):
+            local = j - starts[i]
+            if i > 0:
+                local = sympy.Max(0, local)
+            if i < len(parts) - 1:
+                local = sympy.Min(local, int(sizes[i]) - 1)
+            return cast(parts[i].at(o[:d] + (local,) + o[d + 1:]), out)
+
+        value = read(len(parts) - 1)
+        for i in range(len(parts) - 2, -1, -1):
+            before = _op("lt", torch.bool, IndexVal(index_type, j),
+                         Const(index_type, starts[i + 1]))
+            value = _op("where", out, before, read(i), value)
+        return value
+    return LT(shape, out, fn)
 
 
 # ----------------------------------------------------------------------------- gathers

@@ -43,7 +43,7 @@ def split_full_reductions(ir: KernelIR, sm_count: int) -> KernelIR:
     d = ir.domain
     if not ir.reductions or d.row_vars or not d.red_vars or ir.outer_reductions:
         return ir
-    if any(r.phase != 0 or r.kind in ("argmax", "argmin") for r in ir.reductions):
+    if any(r.phase != 0 or r.kind in ("argmax", "argmin", "softmax") for r in ir.reductions):
         return ir
     if any(s.level == "element" for s in ir.stores):
         return ir

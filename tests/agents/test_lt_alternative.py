@@ -112,12 +112,9 @@ def test_alternative_with_epilogue_kernels_compiles_for_sm90a():
     assert not isinstance(result, Exception), result
 
 
-@pytest.mark.gpu
-def test_on_cuda_the_pipeline_races_it_and_stays_correct():
-    """The library call, verified like any candidate; the report says which won."""
-    torch.manual_seed(0)
-    model = Linear(torch.relu).cuda()
-    x = torch.randn(512, 32, device="cuda")
+def _raced_on_cuda(model, x):
+    """Compile ``model`` on CUDA, check three calls against eager; the library
+    candidates' verifications, each correct."""
     backend = StitchBackend(options={"cache": False})
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
@@ -126,6 +123,14 @@ def test_on_cuda_the_pipeline_races_it_and_stays_correct():
     verified = [a for t in backend.trajectories for a in t.attempts
                 if a.action == "verify" and a.candidate.name.endswith("_lt")]
     assert verified and all(a.verdict.correct for a in verified), [a.verdict for a in verified]
+    return verified
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_pipeline_races_it_and_stays_correct():
+    """The library call, verified like any candidate; the report says which won."""
+    torch.manual_seed(0)
+    _raced_on_cuda(Linear(torch.relu).cuda(), torch.randn(512, 32, device="cuda"))
 
 
 def test_a_library_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
@@ -162,3 +167,76 @@ def test_a_library_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
     assert gemm and gemm[0].backend == "kernel" and gemm[0].kernel.endswith("_lt"), gemm
     assert not first.cached and second.cached, second.notes
     assert [r.kernel for r in second.plan.regions] == [r.kernel for r in first.plan.regions]
+
+
+def _plain_reference(a, b, bias, epilogue):
+    assert epilogue in ("BIAS", "DEFAULT") and (bias is not None) == (epilogue == "BIAS")
+    return a @ b + (bias if bias is not None else 0)
+
+
+@pytest.mark.parametrize("bias,shape,epilogue", [
+    (True, (16, 32), "BIAS"), (False, (16, 32), "DEFAULT"), (True, (2, 8, 32), "BIAS"),
+], ids=["addmm", "mm", "addmm_3d_input"])
+def test_a_gemm_with_no_epilogue_is_one_library_call(monkeypatch, bias, shape, epilogue):
+    """A Linear with nothing after it (or only the view back to 3-D) is no longer left
+    to ATen unraced: its candidate is the cuBLASLt call alone, compiling nothing."""
+    calls = []
+
+    def stand_in(a, b, bias_, epi):
+        calls.append(epi)
+        return _plain_reference(a, b, bias_, epi)
+    monkeypatch.setattr(lt_ops, "_matmul", stand_in)
+    torch.manual_seed(0)
+    model = Linear(lambda y: y, bias=bias, tail=False)
+    ((rec, region, cand),) = _gemm_candidates(model, torch.randn(shape))
+    assert cand.name == "k_lt" and cand.kernels == [] and cand.kernel is None
+    assert cand.source.startswith("// k_lt: cuBLASLt") and epilogue in cand.source
+    vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(vals[n].shape, generator=gen) for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    got = runner_for(cand, base=InterpretedRunner)(*inputs)
+    assert calls == [epilogue]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_plain_gemm_on_cpu_inputs_stays_on_aten_by_default():
+    from stitch_backend.agents.coder import NoCandidate
+
+    backend = StitchBackend(options={"codegen": False})
+    with torch.no_grad():
+        torch.compile(Linear(lambda y: y, tail=False), backend=backend)(torch.randn(16, 32))
+    (rec,) = backend.records
+    region = next(r for r in rec.plan.regions if r.kind.value == "gemm")
+    with pytest.raises(NoCandidate, match="no epilogue"):
+        TemplateCoder().propose(subtask_for(rec.gm, region, "k"))
+
+
+def test_the_library_only_candidate_compiles_nothing(monkeypatch):
+    """The agent loop sends no source of a kernel-less candidate to nvcc."""
+    from stitch_backend import toolchain
+    from stitch_backend.agents.loop import implement
+    from stitch_backend.agents.state import Task
+
+    monkeypatch.setattr(TemplateCoder, "library_on_cpu", True)
+    backend = StitchBackend(options={"codegen": False})
+    with torch.no_grad():
+        torch.compile(Linear(lambda y: y, tail=False), backend=backend)(torch.randn(16, 32))
+    (rec,) = backend.records
+    jobs = []
+    monkeypatch.setattr(toolchain, "compile_many", lambda js, max_workers=None: jobs.extend(js) or [])
+    impl = implement(Task(graph="g", key="k", arch="sm_90a", device="cuda"), rec.gm, rec.plan,
+                     arch="sm_90a")
+    assert jobs == []
+    (cand,) = impl.candidates.values()
+    assert cand.name.endswith("_lt") and cand.cubin is None
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_plain_linear_races_the_library_call_with_a_timed_algorithm():
+    torch.manual_seed(0)
+    _raced_on_cuda(Linear(lambda y: y, tail=False).cuda(), torch.randn(20, 32, device="cuda"))
+    chosen = [algo for key, algo in lt_ops._algos.items() if key[2] == (20, 32)]
+    assert chosen and all(0 <= algo < lt_ops.TUNE_ALGOS for algo in chosen)

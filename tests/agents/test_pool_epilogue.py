@@ -52,6 +52,17 @@ def _compiled(model, x):
     return rec, out
 
 
+def _eager_then_compiled(model, reference, x):
+    """``reference(x)`` (eager), then ``model`` compiled on ``x``: same values, same
+    strides; the record and the output."""
+    with torch.no_grad():
+        expected = reference(x)
+    rec, out = _compiled(model, x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert out.stride() == expected.stride()
+    return rec, out
+
+
 def _node_ops(rec, region):
     nodes = {n.name: n for n in rec.gm.graph.nodes}
     return [str(nodes[n].target) for n in region.nodes]
@@ -63,15 +74,10 @@ def test_the_pooling_joins_the_convolution_region_and_the_result_is_eager(layout
     torch.manual_seed(0)
     model = ConvBnPool(4, 8, pool, tail).train()
     x = torch.randn(4, 4, 16, 16)
-    if layout is not None:
-        x = x.contiguous(memory_format=layout)
-    with torch.no_grad():
-        want = ConvBnPool(4, 8, pool, tail).train()
-        want.load_state_dict(model.state_dict())
-        expected = want(x)
-    rec, out = _compiled(model, x)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    assert out.stride() == expected.stride()
+    want = ConvBnPool(4, 8, pool, tail).train()
+    want.load_state_dict(model.state_dict())
+    rec, _ = _eager_then_compiled(model, want, x if layout is None else
+                                  x.contiguous(memory_format=layout))
     (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
     reduce = "aten.amax.default" if pool == "max" else "aten.mean.dim"
     assert reduce in _node_ops(rec, conv)
@@ -103,12 +109,7 @@ def test_split_statistics_normalise_inside_the_pooling_kernel():
 def test_an_activation_between_convolution_and_pooling_fuses_too():
     torch.manual_seed(0)
     model = ConvActPool()
-    x = torch.randn(4, 3, 18, 18)
-    with torch.no_grad():
-        expected = model(x)
-    rec, out = _compiled(model, x)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    assert out.stride() == expected.stride()
+    rec, _ = _eager_then_compiled(model, model, torch.randn(4, 3, 18, 18))
     (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
     ops = _node_ops(rec, conv)
     # channels-last: the Mish after the pooling runs before the view back to NCHW, so
@@ -146,3 +147,47 @@ def test_pointwise_ops_after_a_channels_last_pooling_keep_values_and_strides():
     nodes = {n.name: n for n in rec.gm.graph.nodes}
     tanh = next(n for n in nodes.values() if n.target is aten.tanh.default)
     assert tanh.args[0].target is aten.amax.default    # computed on the (N, H, W, C) rows
+
+
+class ConvBnOverlapPool(nn.Module):
+    """A ResNet stem's shape: conv, BatchNorm, ReLU, then a pooling over overlapping
+    windows (codegen.lower_pooling), a pointwise op of the pooled size after it."""
+
+    def __init__(self, pool="max"):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 7, 2, 3, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(3, 2, 1) if pool == "max" else nn.AvgPool2d(3, 1, 1)
+
+    def forward(self, x):
+        return self.pool(torch.relu(self.bn(self.conv(x)))) * 2
+
+
+@pytest.mark.parametrize("layout", [None, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("pool", ["max", "avg"])
+def test_an_overlapping_pooling_joins_the_convolution_region_and_the_result_is_eager(layout, pool):
+    torch.manual_seed(0)
+    model = ConvBnOverlapPool(pool).train()
+    want = ConvBnOverlapPool(pool).train()
+    want.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 64, 64)
+    rec, _ = _eager_then_compiled(model, want, x if layout is None else
+                                  x.contiguous(memory_format=layout))
+    (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    target = ("aten.max_pool2d_with_indices.default" if pool == "max"
+              else "aten.avg_pool2d.default")
+    ops = _node_ops(rec, conv)
+    assert target in ops and "aten.mul.Tensor" in ops, ops
+    assert conv.backend == "kernel", conv.reason
+    # with split statistics, the normalisation runs inside the pooling's kernel
+    cand = TemplateCoder().propose(subtask_for(rec.gm, conv, "k"))
+    inputs = _region_inputs(rec, conv)
+    region_out = region_module(rec.gm, conv)(*inputs)
+    splits = [a for a in cand.alternatives if a.name.endswith("split1p")]
+    assert splits
+    last = [s.kernel for s in splits[0].stages if s.kernel is not None][-1]
+    assert {target, "aten.relu.default"} <= set(last.ops), last.ops
+    for alt in [cand, *cand.alternatives]:
+        got = runner_for(alt, base=InterpretedRunner)(*inputs)
+        for g, w in zip(got, region_out):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,7 @@
-"""The split-statistics alternative for training BatchNorm over few channels: where it
-applies, that every stage is a generated kernel, and that it computes the region's
-outputs (kernel IR interpreter on CPU), inside the whole pipeline too."""
+"""The split-statistics alternative for training BatchNorm over few channels and layer
+norm over few rows: where it applies, that every stage is a generated kernel, and that
+it computes the region's outputs (kernel IR interpreter on CPU), inside the whole
+pipeline too."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ class ConvBN(nn.Module):
 
     def forward(self, x):
         return torch.relu(self.bn(self.conv(x)))
+
+
+class FewRowsLayerNorm(nn.Module):
+    """A layer norm over the last three dims of a (2, 8, 32, 32) input: 2 rows of 8192
+    (L1 40's shape, smaller), then an activation that joins the normalising stage."""
+
+    def __init__(self, shape=(8, 32, 32), affine=True):
+        super().__init__()
+        self.ln = nn.LayerNorm(shape, elementwise_affine=affine)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.ln(x * 2.0))
 
 
 class BNOnly(nn.Module):
@@ -136,13 +149,13 @@ def test_single_pass_variance_holds_for_a_mean_far_from_the_spread():
     """Values around 1000 with spread 0.01: E[x^2] - E[x]^2 in fp32 would lose every
     digit; shifted by the channel's first element, the variance keeps eager's accuracy
     (judged against an fp64 run, as DESIGN.md's rule does)."""
-    from stitch_backend.agents.split_stats import split_batchnorm
+    from stitch_backend.agents.split_stats import split_norms
 
     rec = _graph(BNOnly().train(), torch.randn(2, 8, 64, 64))
     region = next(r for r in rec.plan.regions
                   if "_native_batch_norm_legit_functional" in " ".join(r.nodes))
     module = region_module(rec.gm, region)
-    split = split_batchnorm(module, 132, single_pass=True)
+    split = split_norms(module, 132, single_pass=True)
     gen = torch.Generator().manual_seed(0)
     inputs = []
     for ph in module.graph.find_nodes(op="placeholder"):
@@ -225,3 +238,102 @@ def test_an_alternative_that_does_not_compile_is_reported(monkeypatch):
     assert note.startswith("alternative ") and "_split1p does not compile" in note, note
     left = [a.name for c in impl.candidates.values() for a in c.alternatives]
     assert len(left) == 1 and left[0].endswith("_split"), left
+
+
+def _layer_norm_region(rec):
+    return next(r for r in rec.plan.regions if "native_layer_norm" in " ".join(r.nodes))
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_layer_norm_over_few_rows_is_split_and_matches_the_region(affine):
+    """Both alternatives (five and three kernels) give the region's outputs, the mean and
+    1/std included, in the shapes eager gives them."""
+    rec = _graph(FewRowsLayerNorm(affine=affine).train(), torch.randn(2, 8, 32, 32))
+    region = _layer_norm_region(rec)
+    env = _values(rec.gm)
+    alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    assert [a.name for a in alts] == ["k_split", "k_split1p"]
+    inputs = [env[n] for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    for alt, n_kernels in zip(alts, (5, 3)):
+        assert len([s for s in alt.stages if s.kernel is not None]) == n_kernels
+        got = runner_for(alt, base=InterpretedRunner)(*inputs)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_norm_over_rows_enough_or_short_gets_no_split():
+    from stitch_backend.agents.split_stats import split_norms
+
+    for shape, x in (((64,), torch.randn(512, 64)),          # rows fill the GPU
+                     ((256,), torch.randn(4, 256))):         # too short to split
+        rec = _graph(FewRowsLayerNorm(shape).train(), x)
+        region = _layer_norm_region(rec)
+        assert split_norms(region_module(rec.gm, region), 132) is None, shape
+    rec = _graph(FewRowsLayerNorm().train(), torch.randn(2, 8, 32, 32))
+    module = region_module(rec.gm, _layer_norm_region(rec))
+    assert split_norms(module, 132, contiguous=False) is None   # the option off
+
+
+def test_single_pass_layer_norm_holds_for_a_mean_far_from_the_spread():
+    """Rows around 1000 with spread 0.01, shifted by each row's first element: as close
+    to an fp64 run as eager's layer norm."""
+    from stitch_backend.agents.split_stats import split_norms
+
+    rec = _graph(FewRowsLayerNorm(affine=False).train(), torch.randn(2, 8, 32, 32))
+    module = region_module(rec.gm, _layer_norm_region(rec))
+    split = split_norms(module, 132, single_pass=True)
+    x = 500.0 + 0.005 * torch.randn(2, 8, 32, 32, generator=torch.Generator().manual_seed(0))
+    inputs = [x if ph.meta["val"].dim() == 4 else torch.ones(ph.meta["val"].shape)
+              for ph in module.graph.find_nodes(op="placeholder")]
+    got, want = split.module(*inputs), module(*inputs)
+    exact = module(*[t.double() for t in inputs])
+    for g, w, e in zip(got, want, exact):
+        err, eager_err = (g.double() - e).abs().max(), (w.double() - e).abs().max()
+        assert err <= 2 * eager_err + 1e-6 * e.abs().max(), (err, eager_err)
+
+
+def test_pipeline_with_a_split_layer_norm_gives_eager_results():
+    torch.manual_seed(0)
+    model = FewRowsLayerNorm().train()
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "cache": False})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 8, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    verified = [a for t in backend.trajectories for a in t.attempts
+                if a.action == "verify" and "_split" in a.candidate.name]
+    assert verified and all(a.verdict.ok for a in verified), [a.verdict for a in verified]
+
+
+@pytest.mark.nvcc
+def test_layer_norm_split_compiles_for_sm90a():
+    from stitch_backend.toolchain import CompileJob, compile_many, csrc_dir
+
+    rec = _graph(FewRowsLayerNorm().train(), torch.randn(2, 8, 32, 32))
+    alts = TemplateCoder().propose(subtask_for(rec.gm, _layer_norm_region(rec), "k")).alternatives
+    results = compile_many([CompileJob(source=alt.source, name=alt.name, arch="sm_90a",
+                                       include_dirs=(csrc_dir(),)) for alt in alts])
+    assert len(results) == 2
+    for result in results:
+        assert not isinstance(result, Exception), result
+        assert result.cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.gpu
+def test_layer_norm_split_verifies_on_the_gpu():
+    """Each split alternative passes the Verifier on the GPU (its kernels run on real
+    inputs against eager), and the compiled model gives eager's result."""
+    torch.manual_seed(0)
+    model = FewRowsLayerNorm((64, 64, 64)).cuda().train()
+    backend = StitchBackend(options={"cache": False, "require_speedup": False})
+    x = torch.randn(4, 64, 64, 64, device="cuda")
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+    verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
+                for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
+    assert len(verified) == 2 and all(verified.values()), verified

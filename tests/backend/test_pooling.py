@@ -15,8 +15,8 @@ aten = torch.ops.aten
 
 
 class PoolNet(nn.Module):
-    """conv -> BN -> ReLU -> 2x2 max pool (rewritten), a 3x3/2 padded max pool (kept),
-    a 2x2 average pool (rewritten), a padded average pool (kept)."""
+    """conv -> BN -> ReLU -> 2x2 max pool (rewritten), a 3x3/2 padded max pool (kept as
+    a pooling op), a 2x2 average pool (rewritten), a padded average pool (kept)."""
 
     def __init__(self):
         super().__init__()
@@ -36,12 +36,16 @@ def _targets(gm):
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
-def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
+def _pool_net():
+    """PoolNet, an eager copy, and a backend interpreting its kernels on the CPU."""
     torch.manual_seed(0)
     model = PoolNet().train()
-    reference = copy.deepcopy(model)
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False})
+    return model, copy.deepcopy(model), StitchBackend(options={
+        "cpu_interpret": True, "cache": False, "require_speedup": False})
+
+
+def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
+    model, reference, backend = _pool_net()
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 3, 16, 16)
     x[0, 0, 0, 0] = float("nan")                  # NaN propagates through both
@@ -55,10 +59,32 @@ def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
     assert targets.count(aten.avg_pool2d.default) == 1
     assert "2 pooling(s) over disjoint windows run as amax/mean reductions the Coder " \
            "generates" in rec.notes
-    for target in (aten.amax.default, aten.mean.dim):
+    # the overlapping (padded) ones stay pooling ops, lowered to window reductions
+    for target in (aten.amax.default, aten.mean.dim, aten.max_pool2d_with_indices.default,
+                   aten.avg_pool2d.default):
         node = next(n for n in rec.gm.graph.nodes if n.target is target)
         region = next(r for r in rec.plan.regions if node.name in r.nodes)
-        assert region.backend == "kernel", (region.backend, region.reason)
+        assert region.backend == "kernel", (target, region.backend, region.reason)
+
+
+def test_a_pooling_whose_indices_a_backward_reads_stays_on_aten_and_says_why():
+    model, reference, backend = _pool_net()
+    x = torch.randn(2, 3, 16, 16)
+    got = torch.compile(model, backend=backend)(x)
+    want = reference(x)
+    sum(g.sum() for g in got).backward()
+    sum(w.sum() for w in want).backward()
+    torch.testing.assert_close(model.conv.weight.grad, reference.conv.weight.grad,
+                               rtol=1e-4, atol=1e-4)
+    forward = backend.records[0]
+    def regions(prefix):
+        return [r for r in forward.plan.regions if any(n.startswith(prefix) for n in r.nodes)]
+    pools = regions("max_pool2d_with_indices")     # both: the backward reads their indices
+    assert len(pools) == 2
+    for pool in pools:
+        assert pool.backend == "aten" and "indices are read" in pool.reason, pool.reason
+    avgs = regions("avg_pool2d")                   # nothing of theirs is saved
+    assert avgs and all(r.backend == "kernel" for r in avgs), [r.reason for r in avgs]
 
 
 def test_indices_in_use_or_uneven_windows_keep_the_pooling():

@@ -115,3 +115,32 @@ def test_graphs_run_as_traced_are_named_in_the_task_notes():
             if line.startswith(("| kl ", "| mlp "))}
     assert "stitchcuda: 1/2 graph(s) run as traced (eager guard)" in rows["kl"]
     assert "as traced" not in rows["mlp"]
+
+
+def test_gpu_state_table_shows_drift_between_backends_and_survives_a_roundtrip(tmp_path):
+    from stitch_backend.bench.report import render_markdown
+    from stitch_backend.bench.timing import gpu_state
+
+    import torch
+    assert gpu_state(torch.device("cpu")) is None
+    recs = [rec("relu", "eager", 3.0), rec("relu", "x", 3.4)]
+    recs[0].gpu_before = {"temp_c": 34.0, "sm_mhz": 1980.0, "power_w": 120.0,
+                          "free_gib": 100.0, "alloc_retries": 0.0}
+    recs[0].gpu_after = {"temp_c": 41.0, "sm_mhz": 1980.0, "power_w": 610.0,
+                         "free_gib": 99.6, "alloc_retries": 0.0}
+    recs[1].gpu_before = {"free_gib": 20.0, "alloc_retries": 3.0}       # no NVML
+    recs[1].gpu_after = {"free_gib": 6.2, "alloc_retries": 13.0}
+    path = tmp_path / "r.jsonl"
+    append_records(path, recs)
+    back = read_records(path)
+    assert back[1].gpu_after == recs[1].gpu_after
+    results = latest_runs(back)
+    md = render_markdown(results, summarise(results, ["eager", "x"]), ["eager", "x"], {})
+    table = md.split("## GPU while timing")[1].split("##")[0]
+    assert ("| relu | 34 -> 41 C, 1980 -> 1980 MHz, 120 -> 610 W, 100 GiB free | "
+            "6 GiB free, 10 allocation retries |") in table
+    for r in back:
+        r.gpu_before = r.gpu_after = None       # no NVML: no table
+    results = latest_runs(back)
+    assert "## GPU while timing" not in render_markdown(
+        results, summarise(results, ["eager", "x"]), ["eager", "x"], {})

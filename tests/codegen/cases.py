@@ -206,6 +206,34 @@ REDUCTIONS = [
        T((2, 6, 8, 5), perm=(0, 3, 1, 2))),
     _c("red_pool_channels_last_mean", lambda a: a.view(2, 5, 3, 2, 4, 2).mean((3, 5)) * 2,
        T((2, 6, 8, 5), f16, perm=(0, 3, 1, 2))),
+    # overlapping windows (codegen.lower_pooling): padding, dilation, strides, 1-D as 2-D
+    _c("pool_max1d_dilated", lambda a: F.max_pool1d(a, 8, 1, 4, 3), T((2, 3, 50))),
+    _c("pool_max2d_pad", lambda a: F.max_pool2d(a, 4, 1, 1), T((2, 3, 17, 19))),
+    _c("pool_max2d_stem", lambda a: F.max_pool2d(torch.relu(a), 3, 2, 1), T((2, 4, 16, 15))),
+    _c("pool_max2d_f16_rect", lambda a: F.max_pool2d(a, (2, 3), (1, 2), (1, 0), (2, 1)),
+       T((2, 3, 9, 11), f16), atol=1e-3),
+    _c("pool_max3d", lambda a: F.max_pool3d(a, 3, 2, 1, 3), T((2, 2, 9, 10, 11))),
+    _c("pool_max2d_channels_last", lambda a: F.max_pool2d(a, 3, 2, 1),
+       T((2, 7, 9, 8), perm=(0, 3, 1, 2))),
+    _c("pool_avg1d", lambda a: F.avg_pool1d(a, 8, 1, 4), T((2, 3, 50))),
+    _c("pool_avg2d_exclude_pad", lambda a: F.avg_pool2d(a, 3, 2, 1, count_include_pad=False),
+       T((2, 3, 15, 16))),
+    _c("pool_avg2d_divisor", lambda a: F.avg_pool2d(a, 3, 1, 1, divisor_override=5),
+       T((2, 3, 8, 8))),
+    _c("pool_avg3d", lambda a: F.avg_pool3d(a, 3, 2, 1), T((2, 2, 9, 10, 11))),
+    _c("pool_avg2d_unbatched", lambda a: F.avg_pool2d(a, 2, 1), T((3, 6, 7))),
+    # concatenation: each element from the input its index falls in (codegen.lower_views)
+    _c("cat_rows", lambda a, b: torch.cat([a, b], 0), T((3, 5)), T((4, 5))),
+    _c("cat_three_then_relu", lambda a, b, c: torch.relu(torch.cat([a, b * 2, c], 1)),
+       T((2, 3, 4)), T((2, 1, 4)), T((2, 5, 4))),
+    _c("cat_promotes", lambda a, b: torch.cat([a, b], -1), T((3, 2), f16), T((3, 4)), atol=1e-3),
+    _c("cat_class_token", lambda t, x: torch.cat([t.expand(x.shape[0], -1, -1), x], 1) + 1,
+       T((1, 1, 8)), T((4, 6, 8))),
+    _c("cat_then_sum", lambda a, b: torch.cat([a, b.permute(1, 0)], 1).sum(-1),
+       T((6, 3)), T((5, 6))),
+    # a size-1 dim kept by a reduction: its loop variable is 0 wherever it is read back
+    _c("red_keeps_a_size_one_dim", lambda a: a.unsqueeze(2).sum(-1).squeeze(2) * 2,
+       T((2, 3, 50))),
 ]
 
 NORMS = [
@@ -219,6 +247,9 @@ NORMS = [
     _c("norm_softmax_f16_to_f32", lambda a: torch.softmax(a, -1, dtype=torch.float32), XH, atol=1e-2),
     _c("norm_softmax_bf16_long", lambda a: torch.softmax(a, -1), T((4, 1000), bf16), atol=1e-2),
     _c("norm_softmax_permuted", lambda a: torch.softmax(a, -1), T((40, 6), perm=(1, 0))),
+    # rows long enough for the one-pass statistics (lower_reductions.ONLINE_SOFTMAX_MIN)
+    _c("norm_softmax_one_pass", lambda a: torch.softmax(a, -1), T((3, 1 << 15))),
+    _c("norm_log_softmax_one_pass", lambda a: torch.log_softmax(a, -1), T((2, 1 << 15))),
     _c("norm_layer_norm", lambda a, w, b: F.layer_norm(a, (40,), w, b), X, T((40,)), T((40,))),
     _c("norm_layer_norm_outputs", lambda a, w, b: torch.ops.aten.native_layer_norm(a, [40], w, b, 1e-5),
        X, T((40,)), T((40,))),
@@ -287,6 +318,10 @@ BIG = [
     _c("big_argmax", lambda a: a.argmax(-1), T((300, 5000))),
     _c("big_group_norm", lambda a, w, b: F.group_norm(a, 8, w, b), T((8, 64, 32, 32)), T((64,)), T((64,))),
     _c("big_softmax_odd", lambda a: torch.softmax(a, -1), T((257, 1001))),
+    _c("big_softmax_one_pass", lambda a: torch.softmax(a, -1), T((64, 1 << 17))),
+    _c("big_pool_max_stem", lambda a: F.max_pool2d(a, 3, 2, 1), T((10, 64, 112, 112))),
+    _c("big_pool_max1d_dilated", lambda a: F.max_pool1d(a, 8, 1, 4, 3), T((4, 64, 8192))),
+    _c("big_log_softmax_one_pass_f16", lambda a: torch.log_softmax(a, -1), T((8, 1 << 16), f16), atol=1e-2),
 ]
 BY_NAME = {c.name: c for c in CASES}
 assert len(BY_NAME) == len(CASES), "duplicate case names"

@@ -127,3 +127,67 @@ def test_inner_row_reductions_launch_a_block_per_group_of_rows():
     rows_a_block = threads >> log2_tk
     assert blocks * rows_a_block == 524288
     assert k.launch_shape(1 << 40, 512)[0] == MAX_ROW_BLOCKS
+
+
+def test_only_long_softmax_rows_take_both_statistics_in_one_pass():
+    """Rows of ONLINE_SOFTMAX_MIN or more take (max, sum of exp) in one reduction and read
+    the row twice; shorter rows, whose second read comes from the L2, and symbolic
+    lengths keep the maximum, then the sum."""
+    by_name = {c.name: c for c in CASES + BIG}
+    for name, one_pass in (("norm_softmax_one_pass", True), ("norm_log_softmax_one_pass", True),
+                           ("big_softmax_one_pass", True), ("big_softmax_long", False),
+                           ("norm_softmax", False), ("dyn_softmax", False)):
+        k = generate(by_name[name].trace(), name)
+        kinds = [r.kind for r in k.ir.reductions]
+        assert ("sfk_online_add" in k.source) == one_pass, name
+        assert kinds == (["softmax"] if one_pass else ["max", "sum"]), (name, kinds)
+
+
+def test_indices_are_32_bit_unless_a_count_or_a_span_needs_64():
+    """Rows and reduced elements are indexed apart, so their product may pass 2^31 (L1
+    41's max pooling: 805M rows of an 8-wide window) with 32-bit indices; a tensor whose
+    elements reach past 2^31 still gets 64-bit ones."""
+    import torch
+    import torch.nn.functional as F
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def kernel(fn, shape):
+        gm = make_fx(fn, decomposition_table=core_aten_decompositions(),
+                     tracing_mode="fake")(torch.empty(shape, device="meta"))
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return generate(gm, "idx")
+
+    pool = kernel(lambda a: F.max_pool1d(a, 8, 1, 4, 3), (64, 192, 65536))
+    assert not pool.emitted.idx64 and "long long" not in pool.source
+    wide = kernel(lambda a: torch.softmax(a, -1), (1 << 20, 4096))    # 2^32 elements
+    assert wide.emitted.idx64
+    many_rows = kernel(lambda a: a.sum(-1), (1 << 31, 2))              # 2^31 rows
+    assert many_rows.emitted.idx64
+    # a reduction's row loop steps by up to ROW_STEP_MAX rows: 1.5e9 rows need 64 bits
+    from stitch_backend.codegen.emit_cuda import ROW_STEP_MAX
+    from stitch_backend.codegen.fused import MAX_ROW_BLOCKS, MAX_THREADS
+    assert MAX_ROW_BLOCKS * MAX_THREADS <= ROW_STEP_MAX
+    # rows of a broadcast input: its span is 0, the output's under 2^31
+    assert kernel(lambda a: a.expand(3 << 29, 2).sum(-1), (1,)).emitted.idx64
+    assert not kernel(lambda a: a.expand(1 << 29, 2).sum(-1), (1,)).emitted.idx64
+
+
+def test_pointwise_kernels_launch_a_thread_per_vector():
+    """A streaming pointwise kernel launches one thread per vector (faster so on the H200:
+    fused.launch_shape's comment), except that with 32-bit indices the grid's step plus
+    the element count stays below 2^31 (the loop then takes more than one step)."""
+    from stitch_backend.codegen.fused import INT32_MAX
+
+    by_name = {c.name: c for c in CASES + BIG}
+    k = generate(by_name["big_bias_gelu"].trace(), "big_bias_gelu")
+    assert k.emitted.kind == "pointwise" and k.emitted.vec == 4 and not k.emitted.idx64
+    n = 4096 * 196608
+    blocks, threads, _ = k.launch_shape(n, 0)
+    assert threads == 256 and blocks * threads * 4 == n
+    near = 2 ** 31 - 2 ** 24          # the most elements 32-bit indices are used for
+    blocks, threads, _ = k.launch_shape(near, 0)
+    assert near + blocks * threads * 4 <= INT32_MAX
+    assert blocks * threads * 4 < near          # a grid-stride loop: several steps
+    assert k.launch_shape(1000, 0)[0] == 1

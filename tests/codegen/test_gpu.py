@@ -7,9 +7,12 @@ import os
 
 import pytest
 import torch
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from stitch_backend import toolchain
 from stitch_backend.codegen import generate
+from stitch_backend.codegen.lower_reductions import ONLINE_SOFTMAX_MIN
 
 from .cases import BIG, CASES, Case
 
@@ -98,3 +101,31 @@ def test_misaligned_inputs_take_the_scalar_path_with_the_same_bits(built):
     a = _launch(kernel, fn, [x])[0]
     b = _launch(kernel, fn, [shifted])[0]
     torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_one_pass_softmax_statistics_keep_eagers_special_values(log):
+    """Softmax's maximum and sum in one pass over long rows (partial sums rescaled as
+    maxima combine): rows of only -inf (NaN, as eager), -inf runs before and after finite
+    values, a NaN, a +inf, huge magnitudes, and rising rows (a new maximum at every
+    element)."""
+    from stitch_backend.cuda_driver import CudaModule
+
+    fn = (lambda a: torch.log_softmax(a, -1)) if log else (lambda a: torch.softmax(a, -1))
+    n = ONLINE_SOFTMAX_MIN
+    rows = [torch.randn(n), torch.full((n,), float("-inf")), torch.randn(n), torch.randn(n),
+            torch.randn(n), torch.randn(n) * 1e30, torch.linspace(-50, 50, n),
+            torch.linspace(50, -50, n), torch.randn(n)]
+    rows[2][: n // 2] = float("-inf")
+    rows[3][n // 2:] = float("-inf")
+    rows[4][7] = float("nan")
+    rows[8][123] = float("inf")
+    x = torch.stack(rows).cuda()
+    gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x)
+    kernel = generate(gm, "online_softmax_special",
+                      sm_count=torch.cuda.get_device_properties(0).multi_processor_count)
+    assert "sfk_online_add" in kernel.source     # the one-pass form, not max then sum
+    cubin = toolchain.compile_cubin(kernel.source, kernel.entry, toolchain.device_arch()).cubin
+    launch = CudaModule(cubin).function(kernel.entry, kernel.signature)
+    (got,) = _launch(kernel, launch, [x])
+    torch.testing.assert_close(got, fn(x), atol=1e-5, rtol=1e-5, equal_nan=True)

@@ -152,11 +152,17 @@ def test_prepare_allocates_eager_layouts_and_args():
 
 
 def test_prepare_sizes_grid_from_sm_count():
+    """Grid-stride grids (a reduction over the outer index) are capped at the device's
+    resident threads; a pointwise kernel launches one thread per vector whatever it has."""
     gm = _trace(lambda a: a * 2, torch.randn(1 << 16))
-    small = generate(gm, "pw", sm_count=4).prepare([torch.randn(1 << 16)])
-    big = generate(gm, "pw", sm_count=132).prepare([torch.randn(1 << 16)])
-    assert small.grid[0] == 4 * 2048 // 256
-    assert big.grid[0] == (1 << 16) // (256 * 4)
+    for sm in (4, 132):
+        plan = generate(gm, "pw", sm_count=sm).prepare([torch.randn(1 << 16)])
+        assert plan.grid[0] == (1 << 16) // (256 * 4)
+    x = torch.randn(64, 1 << 16)
+    gm = _trace(lambda a: a.sum(0), x)
+    small = generate(gm, "col", sm_count=4).prepare([x])
+    big = generate(gm, "col", sm_count=132).prepare([x])
+    assert small.grid[0] * small.block[0] <= 4 * 2048 < big.grid[0] * big.block[0]
 
 
 def test_cross_row_kernel_gets_workspace_and_ticket():
