@@ -111,14 +111,16 @@ class LayoutResult:
 
 
 def convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The graph's 2-D, non-transposed convolutions on floating-point tensors."""
+    """The graph's 2-D convolutions, transposed ones too, on floating-point tensors
+    (Inductor's layout choice takes transposed ones as well; on the H200 its default
+    mode ran KernelBench L2 2, 5 and 10, a transposed convolution each, 1.2-2.0x
+    faster than stitchcuda, whose graphs stayed NCHW)."""
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not CONV:
             continue
         x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if (isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point
-                and not node.args[6]):
+        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point:
             found.append(node)
     return found
 

@@ -328,21 +328,31 @@ def test_same_layout_ignores_strides_of_single_element_dims():
     assert not layout.same_layout(b, torch.empty(2, 3, 4, 5))
 
 
+def _upsample_example():
+    return Upsample(), torch.randn(8, 4, 32, 32)
+
+
+def _zoo_example(example):
+    return lambda: (example.Model(*example.get_init_inputs()), example.get_inputs()[0])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("example", [residual_block, depthwise_separable],
-                         ids=["residual_block", "depthwise_separable"])
-def test_channels_last_on_cuda_is_correct_by_the_design_rule(example):
+@pytest.mark.parametrize("make", [_zoo_example(residual_block), _zoo_example(depthwise_separable),
+                                  _upsample_example],
+                         ids=["residual_block", "depthwise_separable", "transposed"])
+def test_channels_last_on_cuda_is_correct_by_the_design_rule(make):
     """Training-mode BatchNorm under no_grad, as KernelBench runs it: channels-last convs
     (other cuDNN kernels than eager's NCHW ones), replay, the guard; DESIGN.md's rule."""
     from stitch_backend.correctness import compare
 
     torch.manual_seed(0)
-    model = example.Model(*example.get_init_inputs()).cuda().train()
+    model, x = make()
+    model = model.cuda().train()
     reference = copy.deepcopy(model)
     fp64 = copy.deepcopy(model).double()
     backend = StitchBackend(options={"cache": False, "channels_last": True})
     compiled = torch.compile(model, backend=backend)
-    x = example.get_inputs()[0].cuda()
+    x = x.cuda()
     with torch.no_grad():
         for _ in range(4):
             got, want, ref64 = compiled(x), reference(x), fp64(x.double())
@@ -445,3 +455,22 @@ def test_exact_args_carry_cudnn_flags_with_tf32_off():
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     torch.testing.assert_close(layout.CONV_FLAGGED(*layout.exact_args((x, w) + args[2:])),
                                aten.convolution.default(x, w, *args[2:]))
+
+
+class Upsample(nn.Module):
+    """A transposed convolution and its epilogue (KernelBench L2's common shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 8, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        return torch.tanh(self.up(x) - 0.5)
+
+
+def test_transposed_convolutions_run_channels_last_too():
+    backend = _check(Upsample, torch.randn(2, 4, 6, 6))
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 1 convolution(s)"), rec.notes
+    ins = _conv_inputs(rec.gm)
+    assert len(ins) == 1 and ins[0].is_contiguous(memory_format=torch.channels_last)
