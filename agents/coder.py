@@ -98,9 +98,11 @@ class TemplateCoder:
 
     def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
         """cuBLASLt's fused epilogue (``stitch_backend.lt_ops``) for a 2-D addmm/mm whose
-        only user is a relu or tanh-gelu that opens the epilogue (directly, or through
-        the one view a Linear on 3-D input adds): one library call for both, then the
-        rest of the epilogue as usual. None where that does not apply."""
+        only user opens the epilogue (directly, or through the one view a Linear on 3-D
+        input adds) with a relu or tanh-gelu, or, after an mm, with the add of a bias row
+        (a Linear on 3-D input: mm, view, add), itself perhaps followed by one of those
+        activations: one library call for them, then the rest of the epilogue as usual.
+        None where that does not apply."""
         from stitch_backend import lt_ops
 
         gm = subtask.graph
@@ -110,29 +112,34 @@ class TemplateCoder:
         if len(anchors) != 1:
             return None
         mm = anchors[0]
-        if not self._lt_can_run(mm):
+        if not self._lt_can_run(mm) or len(mm.users) != 1:
             return None
         val = mm.meta["val"]
-        is_addmm = mm.target is aten.addmm.default
-        if len(mm.users) != 1:
-            return None
-        (act,) = mm.users
+        (first,) = mm.users
         view = None
-        if act.target in (aten.view.default, aten._unsafe_view.default) and len(act.users) == 1:
-            view, (act,) = act, act.users    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
-        epilogue = lt_ops.activation_epilogue(act)
+        if first.target in (aten.view.default, aten._unsafe_view.default) and len(first.users) == 1:
+            view, (first,) = first, first.users    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
         compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
-        if epilogue is None or not compute or compute[0] != act.name:
+        chain, bias = _lt_chain(mm, view or mm, first, compute, nodes)
+        if not chain:
             return None
+        act = chain[-1]
+        epilogue = lt_ops.activation_epilogue(act) or ""
+        has_bias = mm.target is aten.addmm.default or bias is not None
+        epilogue = "_".join(e for e in (epilogue, "BIAS" if has_bias else "") if e)
         taken = [view.name] if view is not None else []
-        sub = sub_region(gm, list(head.nodes) + taken + [act.name], subtask.region_id, 800)
+        sub = sub_region(gm, list(head.nodes) + taken + [n.name for n in chain],
+                         subtask.region_id, 800)
         module = region_module(gm, sub)
         graph = module.graph
         local = {n.name: n for n in graph.nodes}
         l_mm, l_act = local[mm.name], local[act.name]
         with graph.inserting_before(l_act):
-            if is_addmm:
-                call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], f"{epilogue}_BIAS"))
+            if mm.target is aten.addmm.default:
+                call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], epilogue))
+            elif bias is not None:
+                call = graph.call_function(lt_ops.lt_addmm,
+                                           (local[bias.name], *l_mm.args[:2], epilogue))
             else:
                 call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], epilogue))
             call.meta = dict(l_mm.meta)
@@ -142,14 +149,16 @@ class TemplateCoder:
                 result = graph.call_function(l_view.target, (call, *l_view.args[1:]))
                 result.meta = dict(l_act.meta)
         l_act.replace_all_uses_with(result)
-        graph.erase_node(l_act)
+        for n in reversed(chain):
+            graph.erase_node(local[n.name])
         if view is not None:
             graph.erase_node(local[view.name])
         graph.erase_node(l_mm)
         graph.lint()
         stages = [Stage(sub, module=torch.fx.GraphModule(module, graph,
                                                          class_name=f"{subtask.region_name}_lt"))]
-        rest = [n for n in part.nodes if n != act.name and n not in taken]
+        done = set(taken) | {n.name for n in chain}
+        rest = [n for n in part.nodes if n not in done]
         if rest:
             rest_stages: list[Stage] = []
             if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
@@ -165,8 +174,8 @@ class TemplateCoder:
         # The source names what runs (the cache finds a stored winner by its hash) and
         # compiles as the epilogue's kernels, if any.
         header = (f"// {subtask.region_name}_lt: cuBLASLt {mm.target}"
-                  f"{' + bias' if is_addmm else ''} with epilogue "
-                  f"{epilogue}{'_BIAS' if is_addmm else ''} ({act.target}), "
+                  f"{' + bias' if has_bias else ''} with epilogue {epilogue} "
+                  f"({', '.join(str(n.target) for n in chain)}), "
                   f"{tuple(val.shape)} {val.dtype}\n")
         return Candidate(region_id=subtask.region_id, origin=self.origin,
                          name=f"{subtask.region_name}_lt",
@@ -447,6 +456,38 @@ class TemplateCoder:
             raise NoCandidate(f"a {subtask.kind} followed only by views: the library call "
                               "(ATen) is the implementation")
         return head, tail
+
+
+def _lt_chain(mm: torch.fx.Node, product: torch.fx.Node, first: torch.fx.Node,
+              compute: list[str], nodes: dict[str, torch.fx.Node]
+              ) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """The epilogue nodes one cuBLASLt call can take over after ``mm`` (whose value the
+    epilogue reads as ``product``, the mm or the one view after it), starting at its
+    only user ``first``, which must open the epilogue's ``compute`` nodes: a relu or
+    tanh-gelu; or, after an mm without bias, the add of a bias row of N (either operand
+    order, no alpha), then perhaps one of those activations as its only user. ([], None)
+    where none applies; else (the nodes, the bias node or None)."""
+    from stitch_backend import lt_ops
+
+    if not compute or compute[0] != first.name:
+        return [], None
+    if lt_ops.activation_epilogue(first) is not None:
+        return [first], None
+    if mm.target is not aten.mm.default or first.target is not aten.add.Tensor or first.kwargs:
+        return [], None
+    others = [a for a in first.args if a is not product]
+    bias = others[0] if len(others) == 1 and len(first.args) == 2 else None
+    want = mm.meta["val"]
+    bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+    if (not isinstance(bv, torch.Tensor) or bv.dim() != 1 or bv.shape[0] != want.shape[1]
+            or bv.dtype != want.dtype or bias.name in compute):
+        return [], None
+    chain = [first]
+    if len(first.users) == 1 and len(compute) > 1:
+        (nxt,) = first.users
+        if nxt.name == compute[1] and lt_ops.activation_epilogue(nxt) is not None:
+            chain.append(nxt)
+    return chain, bias
 
 
 def sub_region(gm, names: list[str], region_id: int, index: int) -> Region:

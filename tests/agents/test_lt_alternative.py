@@ -17,6 +17,8 @@ from stitch_backend.backend import StitchBackend
 from stitch_backend.kernels import InterpretedRunner, runner_for
 from stitch_backend.regions import region_module
 
+aten = torch.ops.aten
+
 
 class Linear(nn.Module):
     def __init__(self, act, bias=True, tail=True, keep_pre=False):
@@ -240,3 +242,45 @@ def test_on_cuda_a_plain_linear_races_the_library_call_with_a_timed_algorithm():
     _raced_on_cuda(Linear(lambda y: y, tail=False).cuda(), torch.randn(20, 32, device="cuda"))
     chosen = [algo for key, algo in lt_ops._algos.items() if key[2] == (20, 32)]
     assert chosen and all(0 <= algo < lt_ops.TUNE_ALGOS for algo in chosen)
+
+
+class TransposedLinear(nn.Module):
+    """A Linear over a transposed 3-D input, as multi-head attention's input projection
+    runs it: mm, view, add of the bias row (not addmm), then the rest."""
+
+    def __init__(self, act=None):
+        super().__init__()
+        self.lin, self.act = nn.Linear(32, 48), act
+
+    def forward(self, x):
+        y = self.lin(x.transpose(0, 1))
+        y = self.act(y) if self.act is not None else y
+        return y.unflatten(-1, (3, 16)).transpose(0, -2).contiguous()
+
+
+@pytest.mark.parametrize("act,epilogue", [(None, "BIAS"), (torch.relu, "RELU_BIAS")],
+                         ids=["bias_add", "bias_add_relu"])
+def test_an_mm_then_a_bias_add_is_one_library_call(monkeypatch, act, epilogue):
+    calls = []
+
+    def stand_in(a, b, bias_, epi):
+        calls.append(epi)
+        y = a @ b + bias_
+        return torch.relu(y) if epi.startswith("RELU") else y
+    monkeypatch.setattr(lt_ops, "_matmul", stand_in)
+    torch.manual_seed(0)
+    ((rec, region, cand),) = _gemm_candidates(TransposedLinear(act), torch.randn(2, 8, 32))
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    assert aten.mm.default in [nodes[n].target for n in region.nodes]
+    (alt,) = [a for a in cand.alternatives if a.name.endswith("_lt")]
+    assert f"with epilogue {epilogue} " in alt.source.splitlines()[0]
+    library, *rest = alt.stages
+    assert library.kernel is None and [s.kernel is not None for s in rest] == [True]
+    vals = {n.name: n.meta.get("val") for n in rec.gm.graph.nodes}   # an input: a view
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(vals[n].shape, generator=gen) for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    got = runner_for(alt, base=InterpretedRunner)(*inputs)
+    assert calls == [epilogue]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
