@@ -5,9 +5,9 @@ NCHW tensors, it wraps them in nchwToNhwc/nhwcToNchw transposes (measured on the
 L3 ResNetBasicBlock 1.80x faster on the GPU in channels-last, MobileNetV1 1.37x, RegNet
 1.35x, EfficientNetB0 1.23x, ResNet18 1.16x; CUDA-graph replay of eager either way).
 
-This pass rewrites a functional ATen graph so that every 2-D convolution reads a
-channels-last input: one ``clone(memory_format=channels_last)`` where a value first
-needs it (usually the graph input), none between convolutions, since convolutions and
+This pass rewrites a functional ATen graph so that every 2-D or 3-D convolution reads a
+channels-last input: one ``clone(memory_format=channels_last)`` (``channels_last_3d`` for
+3-D) where a value first needs it (usually the graph input), none between convolutions, since convolutions and
 the pointwise/normalisation/pooling ops between them keep the layout (the Planner fuses
 the conversions into the neighbouring regions). Every op's result is recomputed under
 the graph's fake mode, so ``meta["val"]`` (which the Coder generates for) tells the new
@@ -111,7 +111,8 @@ class LayoutResult:
 
 
 def convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The graph's 2-D convolutions, transposed ones too, on floating-point tensors
+    """The graph's 2-D and 3-D convolutions (channels_last / channels_last_3d), transposed
+    ones too, on floating-point tensors
     (Inductor's layout choice takes transposed ones as well; on the H200 its default
     mode ran KernelBench L2 2, 5 and 10, a transposed convolution each, 1.2-2.0x
     faster than stitchcuda, whose graphs stayed NCHW)."""
@@ -120,7 +121,7 @@ def convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
         if node.op != "call_function" or node.target is not CONV:
             continue
         x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.dtype.is_floating_point:
+        if isinstance(x, torch.Tensor) and x.dim() in (4, 5) and x.dtype.is_floating_point:
             found.append(node)
     return found
 
@@ -129,7 +130,7 @@ def ineligible(gm: torch.fx.GraphModule) -> str | None:
     """Why the pass should leave ``gm`` alone (None: apply it)."""
     convs = convolutions(gm)
     if not convs:
-        return "no 2-D convolution in the graph"
+        return "no 2-D or 3-D convolution in the graph"
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder" and isinstance(val, torch.Tensor) and any(
@@ -159,9 +160,9 @@ def auto_declines(gm: torch.fx.GraphModule) -> str | None:
         if not training:
             continue                     # inference BatchNorm: pointwise, any layout
         x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
             continue
-        positions = x.shape[0] * x.shape[2] * x.shape[3]
+        positions = x.numel() // x.shape[1]
         if positions < AUTO_MIN_POSITIONS:
             return (f"auto: {node.name} computes BatchNorm statistics over {positions} "
                     f"positions per channel, fewer than {AUTO_MIN_POSITIONS} (channels_last=True "
@@ -252,9 +253,10 @@ class _Rewrite:
 
     def _to_channels_last_input(self, node: torch.fx.Node) -> None:
         x = node.args[0]
-        if x.meta["val"].is_contiguous(memory_format=torch.channels_last):
+        fmt = channels_last_format(x.meta["val"])
+        if x.meta["val"].is_contiguous(memory_format=fmt):
             return
-        node.args = (self._clone(x, node, torch.channels_last),) + tuple(node.args[1:])
+        node.args = (self._clone(x, node, fmt),) + tuple(node.args[1:])
 
     def _restore_inputs(self, node: torch.fx.Node) -> None:
         restore = self._restore_before(node)
@@ -270,8 +272,9 @@ class _Rewrite:
                 return arg
             if traced.is_contiguous():
                 fmt = torch.contiguous_format
-            elif traced.is_contiguous(memory_format=torch.channels_last):
-                fmt = torch.channels_last
+            elif traced.dim() in (4, 5) and traced.is_contiguous(
+                    memory_format=channels_last_format(traced)):
+                fmt = channels_last_format(traced)
             else:
                 raise _Abort(f"{arg.name} was traced with strides {traced.stride()} that a "
                              f"layout conversion cannot restore for {user.name}")
@@ -445,7 +448,7 @@ def conv_outputs(node: torch.fx.Node, exact: bool = False
 
     args = [real(a) for a in node.args]
     traced = CONV(*args)
-    x_cl = args[0].contiguous(memory_format=torch.channels_last)
+    x_cl = args[0].contiguous(memory_format=channels_last_format(args[0]))
     nhwc = (CONV_FLAGGED(*exact_args((x_cl, *args[1:]))) if exact
             else CONV(x_cl, *args[1:]))
     up = [a.double() if isinstance(a, torch.Tensor) else a for a in args]
@@ -465,7 +468,13 @@ def _conv_key(node: torch.fx.Node) -> tuple:
 def _describe(node: torch.fx.Node) -> str:
     x, w = node.args[0].meta["val"], node.args[1].meta["val"]
     return (f"{'x'.join(map(str, w.shape[2:]))} convolution, {x.shape[1]}->{w.shape[0]} "
-            f"channels on {x.shape[2]}x{x.shape[3]}, {str(x.dtype).replace('torch.', '')}")
+            f"channels on {'x'.join(map(str, x.shape[2:]))}, "
+            f"{str(x.dtype).replace('torch.', '')}")
+
+
+def channels_last_format(t: torch.Tensor) -> torch.memory_format:
+    """The channels-last memory format of a 4-D (NHWC) or 5-D (NDHWC) tensor."""
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -476,5 +485,5 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 __all__ = ["AUTO_MIN_POSITIONS", "CONVERSION", "CONV_FLAGGED", "LayoutResult", "Verdict",
-           "auto_declines", "conv_outputs", "convolutions", "exact_args", "ineligible",
+           "auto_declines", "channels_last_format", "conv_outputs", "convolutions", "exact_args", "ineligible",
            "precision_verdicts", "same_layout", "to_channels_last"]

@@ -338,8 +338,8 @@ def _zoo_example(example):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", [_zoo_example(residual_block), _zoo_example(depthwise_separable),
-                                  _upsample_example],
-                         ids=["residual_block", "depthwise_separable", "transposed"])
+                                  _upsample_example, lambda: (Volume(), torch.randn(4, 3, 16, 16, 16))],
+                         ids=["residual_block", "depthwise_separable", "transposed", "3d"])
 def test_channels_last_on_cuda_is_correct_by_the_design_rule(make):
     """Training-mode BatchNorm under no_grad, as KernelBench runs it: channels-last convs
     (other cuDNN kernels than eager's NCHW ones), replay, the guard; DESIGN.md's rule."""
@@ -474,3 +474,26 @@ def test_transposed_convolutions_run_channels_last_too():
     assert rec.notes[0].startswith("channels-last: 1 convolution(s)"), rec.notes
     ins = _conv_inputs(rec.gm)
     assert len(ins) == 1 and ins[0].is_contiguous(memory_format=torch.channels_last)
+
+
+class Volume(nn.Module):
+    """3-D convolutions (a third of KernelBench L2): conv, BatchNorm, pooling, transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm3d(8)
+        self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        y = nn.functional.max_pool3d(torch.relu(self.bn(self.conv(x))), 2)
+        return torch.sigmoid(self.up(y)) * 2
+
+
+def test_3d_convolutions_run_channels_last_3d():
+    backend = _check(Volume, torch.randn(2, 3, 8, 8, 8))
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 2 convolution(s)"), rec.notes
+    ins = _conv_inputs(rec.gm)
+    assert len(ins) == 2 and all(v.is_contiguous(memory_format=torch.channels_last_3d)
+                                 for v in ins)
