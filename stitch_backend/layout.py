@@ -7,11 +7,11 @@ L3 ResNetBasicBlock 1.80x faster on the GPU in channels-last, MobileNetV1 1.37x,
 
 This pass rewrites a functional ATen graph so that every 2-D or 3-D convolution reads a
 channels-last input: one ``clone(memory_format=channels_last)`` (``channels_last_3d`` for
-3-D) where a value first needs it (usually the graph input), none between convolutions, since convolutions and
-the pointwise/normalisation/pooling ops between them keep the layout (the Planner fuses
-the conversions into the neighbouring regions). Every op's result is recomputed under
-the graph's fake mode, so ``meta["val"]`` (which the Coder generates for) tells the new
-strides. What depends on strides gets the traced layout back first:
+3-D) where a value first needs it (usually the graph input), none between convolutions,
+since convolutions and the pointwise/normalisation/pooling ops between them keep the
+layout (the Planner fuses the conversions into the neighbouring regions). Every op's
+result is recomputed under the graph's fake mode, so ``meta["val"]`` (which the Coder
+generates for) tells the new strides. What depends on strides gets the traced layout back first:
 
 - ``as_strided`` and ops outside ``aten`` (their inputs are restored),
 - a ``view`` the new strides cannot express,
@@ -111,11 +111,10 @@ class LayoutResult:
 
 
 def convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The graph's 2-D and 3-D convolutions (channels_last / channels_last_3d), transposed
-    ones too, on floating-point tensors
-    (Inductor's layout choice takes transposed ones as well; on the H200 its default
-    mode ran KernelBench L2 2, 5 and 10, a transposed convolution each, 1.2-2.0x
-    faster than stitchcuda, whose graphs stayed NCHW)."""
+    """The graph's 2-D and 3-D convolutions on floating-point tensors, transposed ones
+    too (Inductor's layout choice takes them as well; on the H200 its default mode ran
+    KernelBench L2 2, 5 and 10, a transposed convolution each, 1.2-2.0x faster than
+    stitchcuda, whose graphs stayed NCHW)."""
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not CONV:

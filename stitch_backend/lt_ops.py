@@ -56,7 +56,9 @@ def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogu
     if algo is not None:
         return algo
     if torch.cuda.is_current_stream_capturing():
-        return 0   # no timing inside a capture: cuBLASLt's first choice, not remembered
+        # no timing inside a capture: cuBLASLt's first choice, not remembered
+        log.debug("cuBLASLt problem first seen while capturing: heuristics' first algorithm")
+        return 0
     store = _store
     note = _note_key(key, a.device) if store is not None else None
     algo = _read_note(store, note)
