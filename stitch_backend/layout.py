@@ -60,6 +60,12 @@ CONV_FLAGGED = aten._convolution.default
 _STRIDED = frozenset({aten.as_strided.default, aten.as_strided_scatter.default,
                       aten.as_strided_copy.default})
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default})
+# ATen's CUDA kernels that check for a contiguous (NCHW) input instead of converting it:
+# native_group_norm raised "Expected X.is_contiguous(memory_format)" for a channels-last
+# input on the H200 (KernelBench L2 11, its region on ATen), while its CPU kernel and the
+# meta function accept either layout. Their inputs get the traced layout back.
+_CONTIGUOUS_ONLY = frozenset({aten.native_group_norm.default,
+                              aten.native_group_norm_backward.default})
 # The meta key marking the layout conversions this pass inserts. The Planner gives each
 # its own region: fused into a neighbour, the kernel reads one layout and writes the
 # other element by element. On the H200, the split-statistics candidate of an L3
@@ -151,6 +157,9 @@ def ineligible(gm: torch.fx.GraphModule) -> str | None:
 
 def auto_declines(gm: torch.fx.GraphModule) -> str | None:
     """Why the ``auto`` setting keeps ``gm``'s traced layout (None: rewrite it)."""
+    why = _strided_layer_norm(gm)
+    if why is not None:
+        return why
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _BN_TRAIN:
             continue
@@ -169,15 +178,36 @@ def auto_declines(gm: torch.fx.GraphModule) -> str | None:
     return None
 
 
+def _strided_layer_norm(gm: torch.fx.GraphModule) -> str | None:
+    """A layer norm over the trailing sizes of a 4-D or 5-D value, channels excluded: in
+    channels-last its rows are strided by the channel count. On the H200 (KernelBench L2
+    3, ConvTranspose3d + LayerNorm over W + AvgPool3d + GELU, one run) the generated
+    region of layer norm, pooling and GELU took 5.00 ms channels-last; the whole graph
+    stitched in its traced layout had taken 2.92 ms in the session before."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.native_layer_norm.default:
+            continue
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(x, torch.Tensor) and x.dim() in (4, 5) and len(node.args[1]) < x.dim() - 1:
+            return (f"auto: {node.name} normalises over the last {len(node.args[1])} of "
+                    f"{x.dim()} dims, rows strided channels-last (channels_last=True forces "
+                    "the rewrite)")
+    return None
+
+
 def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool = False
                      ) -> tuple[torch.fx.GraphModule, LayoutResult]:
-    """``gm`` rewritten so its 2-D convolutions run channels-last (a new module; ``gm``
+    """``gm`` rewritten so its 2-D and 3-D convolutions run channels-last (a new module; ``gm``
     is not changed), or ``gm`` itself with the reason when the pass does not apply.
     ``notes`` (a cache Store, optional) keeps the precision verdicts across processes.
     ``partial``: convolutions the precision check refuses keep their traced layout and
     the others still run NHWC (measured on the H200, one run: L3 ResNetBasicBlock 1.07 ms
     against 1.14 ms all NCHW, RegNet 1.76 against 1.55 ms, not yet profiled);
-    without it, one refusal keeps the whole graph as traced."""
+    without it (the ``auto`` setting), one refusal keeps the whole graph as traced, and
+    so does a 3-D convolution accurate only with TF32 off: on the H200 (KernelBench L2 6,
+    Conv3d + softmax + two max pools, one run) the graph stitched channels-last so took
+    0.935 ms against 0.890 ms as traced, where its traced layout stitched took 0.811 ms
+    in the session before."""
     why = ineligible(gm)
     if why is not None:
         return gm, LayoutResult(False, why)
@@ -185,6 +215,11 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
     refused, exact = precision_verdicts(convs, notes)
     if refused and (not partial or len(refused) == len(convs)):
         return gm, LayoutResult(False, next(iter(refused.values())))
+    slow = [n.name for n in convs if n.name in exact and n.args[0].meta["val"].dim() == 5]
+    if slow and not partial:
+        return gm, LayoutResult(False, (
+            f"{slow[0]}, a 3-D convolution, is as accurate channels-last only with cuDNN's "
+            "TF32 off, slower than its traced layout's kernel (channels_last=True forces it)"))
     copied = rewritable_copy(gm, lambda n: True)
     if copied is None:
         return gm, LayoutResult(False, "the graph carries no fake values to recompute "
@@ -243,7 +278,8 @@ class _Rewrite:
             return False
         if not isinstance(target, torch._ops.OpOverload):
             return True
-        if target in _STRIDED or target.namespace not in ("aten", "prims"):
+        if target in _STRIDED or target in _CONTIGUOUS_ONLY or target.namespace not in (
+                "aten", "prims"):
             return True
         tags = set(target.tags)
         return bool(tags & {getattr(torch.Tag, t) for t in

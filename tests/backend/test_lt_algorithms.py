@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 
 from stitch_backend import lt_ops, runtime
 from stitch_backend.cache import Store
@@ -113,8 +114,6 @@ def test_on_cuda_a_cached_compile_stores_the_choice(tmp_path, monkeypatch):
     fresh process (the memo cleared) reads it back instead of timing."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (run on the GPU machine with -m gpu)")
-    import torch._dynamo
-
     from stitch_backend.backend import StitchBackend
 
     monkeypatch.setattr(lt_ops, "_algos", {})
