@@ -107,12 +107,8 @@ class TemplateCoder:
 
         gm = subtask.graph
         nodes = {n.name: n for n in gm.graph.nodes}
-        anchors = [nodes[n] for n in head.nodes
-                   if nodes[n].target in (aten.addmm.default, aten.mm.default)]
-        if len(anchors) != 1:
-            return None
-        mm = anchors[0]
-        if not self._lt_can_run(mm) or len(mm.users) != 1:
+        mm = self._lt_anchor(nodes, head.nodes)
+        if mm is None or len(mm.users) != 1:
             return None
         val = mm.meta["val"]
         (first,) = mm.users
@@ -120,13 +116,12 @@ class TemplateCoder:
         if first.target in (aten.view.default, aten._unsafe_view.default) and len(first.users) == 1:
             view, (first,) = first, first.users    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
         compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
-        chain, bias = _lt_chain(mm, view or mm, first, compute, nodes)
+        chain, bias = _lt_chain(mm, view or mm, first, compute)
         if not chain:
             return None
         act = chain[-1]
-        epilogue = lt_ops.activation_epilogue(act) or ""
         has_bias = mm.target is aten.addmm.default or bias is not None
-        epilogue = "_".join(e for e in (epilogue, "BIAS" if has_bias else "") if e)
+        epilogue = _lt_epilogue(lt_ops.activation_epilogue(act), has_bias)
         taken = [view.name] if view is not None else []
         sub = sub_region(gm, list(head.nodes) + taken + [n.name for n in chain],
                          subtask.region_id, 800)
@@ -135,14 +130,8 @@ class TemplateCoder:
         local = {n.name: n for n in graph.nodes}
         l_mm, l_act = local[mm.name], local[act.name]
         with graph.inserting_before(l_act):
-            if mm.target is aten.addmm.default:
-                call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], epilogue))
-            elif bias is not None:
-                call = graph.call_function(lt_ops.lt_addmm,
-                                           (local[bias.name], *l_mm.args[:2], epilogue))
-            else:
-                call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], epilogue))
-            call.meta = dict(l_mm.meta)
+            call = _lt_call(graph, l_mm, local[bias.name] if bias is not None else None,
+                            epilogue)
             result = call
             if view is not None:
                 l_view = local[view.name]
@@ -200,37 +189,37 @@ class TemplateCoder:
                     and bias.shape[0] == val.shape[1])
         return True
 
+    def _lt_anchor(self, nodes: dict[str, torch.fx.Node], names: list[str]
+                   ) -> torch.fx.Node | None:
+        """The one addmm/mm among ``names`` when cuBLASLt can run it, else None."""
+        anchors = [nodes[n] for n in names
+                   if nodes[n].target in (aten.addmm.default, aten.mm.default)]
+        if len(anchors) != 1 or not self._lt_can_run(anchors[0]):
+            return None
+        return anchors[0]
+
     def _lt_plain(self, subtask: Subtask) -> Candidate | None:
         """A gemm region with no epilogue (or views alone after it) as one cuBLASLt call
         (``lt_ops``; an addmm's bias in its BIAS epilogue), whose algorithm the first call
         times among the heuristics' best: raced against ATen's call by the Verifier. None
         where cuBLASLt cannot run it (then ATen's library call is the implementation)."""
-        from stitch_backend import lt_ops
-
         gm = subtask.graph
-        nodes = {n.name: n for n in gm.graph.nodes}
-        anchors = [nodes[n] for n in subtask.region.nodes
-                   if nodes[n].target in (aten.addmm.default, aten.mm.default)]
-        if len(anchors) != 1 or not self._lt_can_run(anchors[0]):
+        mm = self._lt_anchor({n.name: n for n in gm.graph.nodes}, subtask.region.nodes)
+        if mm is None:
             return None
-        mm = anchors[0]
-        is_addmm = mm.target is aten.addmm.default
+        epilogue = _lt_epilogue(None, mm.target is aten.addmm.default)
         sub = sub_region(gm, list(subtask.region.nodes), subtask.region_id, 800)
         module = region_module(gm, sub)
         graph = module.graph
         l_mm = next(n for n in graph.nodes if n.name == mm.name)
         with graph.inserting_before(l_mm):
-            if is_addmm:
-                call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], "BIAS"))
-            else:
-                call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], "DEFAULT"))
-        call.meta = dict(l_mm.meta)
+            call = _lt_call(graph, l_mm, None, epilogue)
         l_mm.replace_all_uses_with(call)
         graph.erase_node(l_mm)
         graph.lint()
         name = f"{subtask.region_name}_lt"
-        header = (f"// {name}: cuBLASLt {mm.target}{' + bias' if is_addmm else ''} with "
-                  f"epilogue {'BIAS' if is_addmm else 'DEFAULT'}, algorithm timed at the first "
+        header = (f"// {name}: cuBLASLt {mm.target}{' + bias' if epilogue == 'BIAS' else ''} "
+                  f"with epilogue {epilogue}, algorithm timed at the first "
                   f"call, {tuple(mm.meta['val'].shape)} {mm.meta['val'].dtype}\n")
         return Candidate(region_id=subtask.region_id, origin=self.origin, name=name,
                          source=header, stages=[Stage(sub, module=torch.fx.GraphModule(
@@ -459,8 +448,7 @@ class TemplateCoder:
 
 
 def _lt_chain(mm: torch.fx.Node, product: torch.fx.Node, first: torch.fx.Node,
-              compute: list[str], nodes: dict[str, torch.fx.Node]
-              ) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+              compute: list[str]) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
     """The epilogue nodes one cuBLASLt call can take over after ``mm`` (whose value the
     epilogue reads as ``product``, the mm or the one view after it), starting at its
     only user ``first``, which must open the epilogue's ``compute`` nodes: a relu or
@@ -488,6 +476,29 @@ def _lt_chain(mm: torch.fx.Node, product: torch.fx.Node, first: torch.fx.Node,
         if nxt.name == compute[1] and lt_ops.activation_epilogue(nxt) is not None:
             chain.append(nxt)
     return chain, bias
+
+
+def _lt_epilogue(activation: str | None, has_bias: bool) -> str:
+    """cuBLASLt's epilogue name: the activation's, with _BIAS when a bias is added."""
+    if activation is None:
+        return "BIAS" if has_bias else "DEFAULT"
+    return f"{activation}_BIAS" if has_bias else activation
+
+
+def _lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | None,
+             epilogue: str) -> torch.fx.Node:
+    """The ``lt_ops`` call computing ``l_mm`` (an addmm's own bias, or ``bias`` added to an
+    mm) with ``epilogue``, inserted at the graph's insertion point, with ``l_mm``'s meta."""
+    from stitch_backend import lt_ops
+
+    if l_mm.target is aten.addmm.default:
+        call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], epilogue))
+    elif bias is not None:
+        call = graph.call_function(lt_ops.lt_addmm, (bias, *l_mm.args[:2], epilogue))
+    else:
+        call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], epilogue))
+    call.meta = dict(l_mm.meta)
+    return call
 
 
 def sub_region(gm, names: list[str], region_id: int, index: int) -> Region:

@@ -23,7 +23,6 @@ from .coder import NoCandidate, TemplateCoder
 from .state import Attempt, Candidate, Subtask, Task, Trajectory, subtask_for
 
 log = logging.getLogger("stitch_backend.agents.loop")
-_NOTHING_TO_BUILD = object()   # the compile result of a candidate with no kernel
 code_log = logging.getLogger(OUTPUT_CODE)
 
 
@@ -88,7 +87,7 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             for c in built + alternatives]
     compiled = compile_many(jobs, max_workers=workers or None) if jobs else []
     by_cand = {id(c): r for c, r in zip(built, compiled)}
-    results = [by_cand.get(id(c), _NOTHING_TO_BUILD) for c in proposals]
+    results = [by_cand.get(id(c)) for c in proposals]   # None: nothing to build
     alt_results = compiled[len(built):]
     notes = []
     for alt, result in zip(alternatives, alt_results):
@@ -109,7 +108,7 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             by_id[cand.region_id].reason = f"compile error: {str(result).splitlines()[0]}"
             trajectory.attempts.append(Attempt("generate", cand, None))
             continue
-        if result is not _NOTHING_TO_BUILD:
+        if result is not None:
             cand.cubin, cand.compile_s = result.cubin, result.seconds
         out.candidates[cand.region_id] = cand
         trajectory.attempts.append(Attempt("generate", cand, None))

@@ -300,6 +300,10 @@ class StitchBackend:
         slot = None
         if self.config.cache and self.config.verify:
             store = artifacts.open_store(self.config.cache_dir)
+            if not interpreted:
+                from . import lt_ops
+
+                lt_ops.remember_in(store)   # cuBLASLt algorithm choices persist too
             entry, slot = artifacts.claim(store, key.digest)
             if entry is not None:
                 warm = artifacts.warm_start(entry, gm, plan, task_graph=_kernel_prefix(key),

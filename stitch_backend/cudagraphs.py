@@ -47,6 +47,12 @@ log = logging.getLogger("stitch_backend.cudagraphs")
 
 # Mutated inputs larger than this together are not copied to time the first replay.
 SNAPSHOT_LIMIT = 256 * 2**20
+# Above this many bytes of non-static inputs (copied in before each replay), a Program is
+# not captured: the copy (0.5 ms for 1 GiB at the H200's ~4.3 TB/s) outweighs the launch
+# time a replay saves, as the first-replay timing found for each of the six KernelBench
+# L1 tasks with inputs of 2 GiB or more in the 2026-12-04 run (LeakyReLU 6.77 ms
+# replayed against 3.41 uncaptured).
+COPY_LIMIT = 2**30
 # Recaptures (a caller kept views of earlier outputs) before outputs are always cloned.
 ABANDON_LIMIT = 2
 # Replay goes off only where running uncaptured is faster by more than this fraction:
@@ -81,6 +87,13 @@ def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, devic
             return "a non-tensor input (size or scalar) may change between calls"
         if x.device.type != "cuda":
             return f"an input lives on {x.device.type}"
+    static = static_input_indices() or set()
+    copied = sum(x.numel() * x.element_size() for i, x in enumerate(example_inputs)
+                 if i not in static)
+    if copied > COPY_LIMIT:
+        return (f"{copied / 2**30:.1f} GiB of inputs would be copied into the graph's own "
+                f"buffers before every replay, more than the launches a replay saves (and "
+                "a second copy of them in memory)")
     return None
 
 

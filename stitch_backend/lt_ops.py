@@ -18,10 +18,13 @@ use (``stitch_backend.runtime``), never at import.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 import torch
+
+log = logging.getLogger("stitch_backend.lt_ops")
 
 aten = torch.ops.aten
 
@@ -40,15 +43,40 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                 _lt = LtMatmul()
     # torch's own setting for fp32 products (eager's addmm follows it too)
     tf32 = a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    algo = _choose(a, b, bias, epilogue, tf32)
+    return _lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo)
+
+
+def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
+            tf32: bool) -> int:
+    """The algorithm index for this problem: remembered by this process, else stored in
+    the cache (``remember_in``), else timed now and remembered in both."""
     key = _problem(a, b, bias, epilogue, tf32)
     algo = _algos.get(key)
+    if algo is not None:
+        return algo
+    if torch.cuda.is_current_stream_capturing():
+        # no timing inside a capture: cuBLASLt's first choice, not remembered
+        log.debug("cuBLASLt problem first seen while capturing: heuristics' first algorithm")
+        return 0
+    store = _store
+    note = _note_key(key, a.device) if store is not None else None
+    algo = _read_note(store, note)
     if algo is None:
-        if torch.cuda.is_current_stream_capturing():
-            algo = 0   # no timing inside a capture: cuBLASLt's first choice, not remembered
-        else:
-            algo = _algos[key] = _lt.tune(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32,
-                                          max_algos=TUNE_ALGOS, iters=TUNE_ITERS)
-    return _lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo)
+        algo = _lt.tune(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32,
+                        max_algos=TUNE_ALGOS, iters=TUNE_ITERS)
+        _write_note(store, note, algo)
+    _algos[key] = algo
+    return algo
+
+
+def remember_in(store: Any) -> None:
+    """Keep the algorithms chosen from now on in ``store`` (a ``stitch_backend.cache``
+    Store) as well, and look there before timing: other processes and warm starts then
+    run the same algorithm without timing again. None: this process only. The backend
+    calls it when its cache is on (the last backend's cache wins in a process)."""
+    global _store
+    _store = store
 
 
 # cuBLASLt's heuristics rank algorithms by a model, not by a clock: the first call of each
@@ -58,6 +86,38 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
 TUNE_ALGOS = 4
 TUNE_ITERS = 10
 _algos: dict[tuple, int] = {}
+_store: Any = None
+NOTE_KIND = "lt-algo-1"
+
+
+def _note_key(key: tuple, device: torch.device) -> dict:
+    """What a stored choice depends on: the problem (not the device index), the GPU,
+    cuBLASLt's version and how many algorithms were timed."""
+    from .runtime import load_runtime
+
+    return {"problem": repr(key[1:]), "gpu": torch.cuda.get_device_name(device),
+            "cublaslt": int(load_runtime().sc_lt_cublaslt_version()), "torch": torch.__version__,
+            "timed": TUNE_ALGOS}
+
+
+def _read_note(store: Any, note: dict | None) -> int | None:
+    if store is None or note is None:
+        return None
+    try:
+        value = store.read_note(NOTE_KIND, note)
+    except Exception:  # noqa: BLE001 - a cache problem only costs the timing
+        return None
+    # a stored value is data from disk: an index among the timed ones, or nothing
+    return value if type(value) is int and 0 <= value < TUNE_ALGOS else None
+
+
+def _write_note(store: Any, note: dict | None, algo: int) -> None:
+    if store is None or note is None:
+        return
+    try:
+        store.write_note(NOTE_KIND, note, algo)
+    except Exception as err:  # noqa: BLE001 - the choice holds for this process anyway
+        log.debug("cuBLASLt algorithm choice not stored: %s", err)
 
 
 def _alignment(t: torch.Tensor | None) -> int:

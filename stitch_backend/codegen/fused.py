@@ -160,9 +160,11 @@ class FusedKernel:
         """(blocks, threads per block, log2 of threads per row) for these sizes."""
         em = self.emitted
         resident = self.sm_count * RESIDENT_THREADS_PER_SM
-        if em.layout == "tiled":    # one TILE x TILE tile per block and step
+        if em.layout == "tiled":    # one TILE x TILE tile per block (its loop steps by the grid)
+            # as for pointwise kernels below, a block per tile rather than a grid of
+            # resident threads (not yet measured for this template: kb/tune/transpose.py)
             threads = TILE * TILE_ROWS
-            blocks = min(_cdiv(max(rows, 1), TILE * TILE), resident // threads)
+            blocks = min(_cdiv(max(rows, 1), TILE * TILE), MAX_GRID_X)
             return max(blocks, 1), threads, 0
         if em.kind == "pointwise":
             # One vector a thread, not a grid-stride grid of resident threads: on the H200

@@ -27,6 +27,26 @@ def test_reasons_for_not_capturing():
     assert "input lives on cpu" in _why(lambda x: x * 2, x)  # structure fine, inputs not
 
 
+def test_inputs_too_large_to_copy_in_each_replay_are_not_captured(monkeypatch):
+    """Over COPY_LIMIT of non-static inputs (the ones copied in before each replay), no
+    capture; parameters and buffers (AOTAutograd's static inputs) are not copied."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stitch_backend import cudagraphs
+
+    with FakeTensorMode():
+        big = torch.empty(cudagraphs.COPY_LIMIT // 4 + 1, device="cuda")
+        small = torch.empty(16, device="cuda")
+        gm = make_fx(lambda a, b: a * 2 + b.sum())(big, small)
+    args = dict(device="cuda", dynamic=False, stage="inference", allow_training=False)
+    monkeypatch.setattr(cudagraphs, "static_input_indices", lambda: set())
+    assert "GiB of inputs would be copied" in ineligible(gm, [big, small], **args)
+    monkeypatch.setattr(cudagraphs, "static_input_indices", lambda: {0})   # a parameter
+    assert ineligible(gm, [big, small], **args) is None
+    monkeypatch.setattr(cudagraphs, "static_input_indices", lambda: set())
+    assert ineligible(gm, [small, small], **args) is None
+
+
 def test_training_capture_only_when_asked():
     x = torch.randn(4, 8)
     assert "input lives on cpu" in _why(lambda x: x * 2, x, stage="forward",

@@ -328,21 +328,33 @@ def test_same_layout_ignores_strides_of_single_element_dims():
     assert not layout.same_layout(b, torch.empty(2, 3, 4, 5))
 
 
+def _upsample_example():
+    return Upsample(), torch.randn(8, 4, 32, 32)
+
+
+def _zoo_example(example):
+    return lambda: (example.Model(*example.get_init_inputs()), example.get_inputs()[0])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("example", [residual_block, depthwise_separable],
-                         ids=["residual_block", "depthwise_separable"])
-def test_channels_last_on_cuda_is_correct_by_the_design_rule(example):
+@pytest.mark.parametrize("make", [_zoo_example(residual_block), _zoo_example(depthwise_separable),
+                                  _upsample_example, lambda: (Volume(), torch.randn(4, 3, 16, 16, 16)),
+                                  lambda: (Grouped(), torch.randn(4, 3, 16, 16))],
+                         ids=["residual_block", "depthwise_separable", "transposed", "3d",
+                              "group_norm"])
+def test_channels_last_on_cuda_is_correct_by_the_design_rule(make):
     """Training-mode BatchNorm under no_grad, as KernelBench runs it: channels-last convs
     (other cuDNN kernels than eager's NCHW ones), replay, the guard; DESIGN.md's rule."""
     from stitch_backend.correctness import compare
 
     torch.manual_seed(0)
-    model = example.Model(*example.get_init_inputs()).cuda().train()
+    model, x = make()
+    model = model.cuda().train()
     reference = copy.deepcopy(model)
     fp64 = copy.deepcopy(model).double()
     backend = StitchBackend(options={"cache": False, "channels_last": True})
     compiled = torch.compile(model, backend=backend)
-    x = example.get_inputs()[0].cuda()
+    x = x.cuda()
     with torch.no_grad():
         for _ in range(4):
             got, want, ref64 = compiled(x), reference(x), fp64(x.double())
@@ -445,3 +457,113 @@ def test_exact_args_carry_cudnn_flags_with_tf32_off():
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     torch.testing.assert_close(layout.CONV_FLAGGED(*layout.exact_args((x, w) + args[2:])),
                                aten.convolution.default(x, w, *args[2:]))
+
+
+class Upsample(nn.Module):
+    """A transposed convolution and its epilogue (KernelBench L2's common shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(4, 8, 3, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        return torch.tanh(self.up(x) - 0.5)
+
+
+def test_transposed_convolutions_run_channels_last_too():
+    backend = _check(Upsample, torch.randn(2, 4, 6, 6))
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 1 convolution(s)"), rec.notes
+    ins = _conv_inputs(rec.gm)
+    assert len(ins) == 1 and ins[0].is_contiguous(memory_format=torch.channels_last)
+
+
+class Volume(nn.Module):
+    """3-D convolutions (a third of KernelBench L2): conv, BatchNorm, pooling, transposed."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm3d(8)
+        self.up = nn.ConvTranspose3d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        y = nn.functional.max_pool3d(torch.relu(self.bn(self.conv(x))), 2)
+        return torch.sigmoid(self.up(y)) * 2
+
+
+def test_3d_convolutions_run_channels_last_3d():
+    backend = _check(Volume, torch.randn(2, 3, 8, 8, 8))
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 2 convolution(s)"), rec.notes
+    ins = _conv_inputs(rec.gm)
+    assert len(ins) == 2 and all(v.is_contiguous(memory_format=torch.channels_last_3d)
+                                 for v in ins)
+
+
+class Grouped(nn.Module):
+    """A convolution and a GroupNorm: ATen's CUDA group norm takes only NCHW inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(4, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(torch.relu(self.conv(x))))
+
+
+def test_group_norm_reads_its_input_in_the_traced_layout():
+    backend = _check(Grouped, torch.randn(2, 3, 8, 8))
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 1 convolution(s)"), rec.notes
+    (norm,) = [n for n in rec.gm.graph.nodes if n.target is aten.native_group_norm.default]
+    assert norm.args[0].meta["val"].is_contiguous()
+    (conv_in,) = _conv_inputs(rec.gm)
+    assert conv_in.is_contiguous(memory_format=torch.channels_last)
+
+
+class VolumeNorm(nn.Module):
+    """A transposed 3-D convolution and a layer norm over the last size (KernelBench L2 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose3d(3, 8, 2, stride=2)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.norm(self.up(x) + 1.0))
+
+
+def test_auto_declines_a_layer_norm_over_trailing_sizes():
+    torch.manual_seed(0)
+    (note,), rec = _auto_notes(VolumeNorm(), torch.randn(2, 3, 4, 4, 4))
+    assert note.startswith("channels-last off: auto: ") and "last 1 of 5 dims" in note, note
+    assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
+    # forced, the rewrite applies and the values stay eager's
+    torch._dynamo.reset()
+    backend = _check(VolumeNorm, torch.randn(2, 3, 4, 4, 4))
+    assert backend.records[0].notes[0].startswith("channels-last: 1 convolution(s)")
+
+
+def test_auto_keeps_a_3d_convolution_exact_only_without_tf32_as_traced(monkeypatch):
+    """A 3-D convolution that channels-last needs TF32 off for: ``auto`` keeps the graph
+    as traced (slower so on the H200), a forced rewrite runs it NHWC with TF32 off."""
+    real = layout.conv_outputs
+
+    def tf32_noise(node, exact=False):
+        traced, nhwc, fp64 = real(node, exact)
+        return traced, nhwc if exact else nhwc + 1e-3 * torch.randn_like(nhwc), fp64
+
+    monkeypatch.setattr(layout, "conv_outputs", tf32_noise)
+    monkeypatch.setattr(layout, "tf32_may_apply", lambda node: True)
+    model = lambda: nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.ReLU())  # noqa: E731
+    x = torch.randn(2, 3, 6, 6, 6)
+    torch.manual_seed(0)
+    (note,), rec = _auto_notes(model(), x)
+    assert note.startswith("channels-last off: ") and "3-D convolution" in note, note
+    assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
+    torch._dynamo.reset()
+    backend = _check(model, x)
+    note = backend.records[0].notes[0]
+    assert note.startswith("channels-last: 1 convolution(s) run NHWC (1 with cuDNN's TF32 off"), note

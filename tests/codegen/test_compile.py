@@ -40,6 +40,8 @@ def test_layout_conversions_take_the_tiled_template_and_others_do_not():
             assert "__shared__" in k.source and "__syncthreads();" in k.source
             blocks, threads, _ = k.launch_shape(2 * 40 * 42, 0)
             assert (blocks, threads) == (4, 256)
+            big = 64 * 128 * 254 * 254      # L2 4's conv output: a block per tile
+            assert k.launch_shape(big, 0)[0] == -(-big // (32 * 32))
 
 
 def test_reductions_over_several_indices_take_vector_chunks_along_the_innermost():
