@@ -21,6 +21,9 @@ BUILTIN: dict[str, tuple[str | None, str | None]] = {
     # eager again, timed after the other backends in the same child process: the A/A
     # control, how far a ratio near 1 can be noise (process state, allocator, clocks)
     "eager-again": (None, None),
+    # Dynamo alone (its "eager" backend runs the traced graph as is): the per-call cost
+    # of any torch.compile backend, the floor under a graph a backend leaves unchanged
+    "dynamo": ("eager", None),
     "aot_eager": ("aot_eager", None),
     "inductor": ("inductor", None),
     "inductor-reduce-overhead": ("inductor", "reduce-overhead"),
@@ -30,7 +33,7 @@ BUILTIN: dict[str, tuple[str | None, str | None]] = {
 DEFAULT_BACKENDS = ("eager", "inductor", "stitchcuda")
 #: backends whose compile is host work only (no GPU timing while compiling): under
 #: --share-gpu their first call runs outside the task's GPU turn
-HOST_COMPILED = frozenset({"eager", "eager-again", "aot_eager", "inductor", "inductor-reduce-overhead"})
+HOST_COMPILED = frozenset({"eager", "eager-again", "dynamo", "aot_eager", "inductor", "inductor-reduce-overhead"})
 
 
 def compiles_on_host(name: str) -> bool:

@@ -50,7 +50,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "NAME:KEY=VALUE+KEY=VALUE passes options, e.g. "
                         "stitchcuda:split_stats=1 beside stitchcuda; "
                         "eager always runs, as the baseline; eager-again times eager once more "
-                        "after the others, in the same process, as a noise control "
+                        "after the others, in the same process, as a noise control; dynamo is "
+                        "torch.compile's own per-call cost (Dynamo with its eager backend) "
                         "(default: %(default)s)")
     p.add_argument("--eval", action="store_true", help="model.eval() (default: training mode, as KernelBench)")
     p.add_argument("--trials", type=int, default=5, help="correctness input draws (default: %(default)s)")

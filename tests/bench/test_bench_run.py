@@ -487,6 +487,22 @@ def test_eager_again_is_timed_last_as_a_control(tmp_path):
     assert "timed again" in again.backend_source
 
 
+def test_dynamo_backend_is_torch_compile_with_dynamos_eager_backend():
+    """``dynamo``: the traced graph run as is, the per-call floor of any backend."""
+    import torch._dynamo
+
+    from stitch_backend.bench.backends import compiles_on_host, validate_backends, wrap
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    compiled = wrap("dynamo", model)
+    assert validate_backends(["dynamo"]) == ["eager", "dynamo"]
+    assert compiled.backend_obj == "eager" and "torch._dynamo" in compiled.source
+    assert compiled.fn is not model and compiles_on_host("dynamo")
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(compiled.fn(x), model(x), rtol=0, atol=0)
+
+
 def test_interleaved_timing_compiles_all_then_rotates_the_backends(monkeypatch):
     """--interleave: Dynamo reset once, every backend compiled and checked, then timed in
     rounds whose order rotates (eager, aot_eager / aot_eager, eager), the runs split
