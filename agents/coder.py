@@ -225,7 +225,7 @@ class TemplateCoder:
                          source=header, stages=[Stage(sub, module=torch.fx.GraphModule(
                              module, graph, class_name=name))],
                          region_inputs=list(subtask.region.inputs),
-                         region_outputs=list(subtask.region.outputs))
+                         region_outputs=list(subtask.region.outputs), library=True)
 
     def _conv_kernel_alternative(self, subtask: Subtask, head: Region, epilogue: list[Stage]
                                  ) -> tuple[Candidate | None, str | None]:

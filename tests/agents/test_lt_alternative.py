@@ -69,6 +69,7 @@ def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue,
     ((rec, region, cand),) = _gemm_candidates(Linear(act, bias, tail), torch.randn(shape))
     (alt,) = [a for a in cand.alternatives if a.name.endswith("_lt")]
     assert alt.source.startswith("// k_lt: cuBLASLt") and epilogue in alt.source.splitlines()[0]
+    assert not alt.library      # a fused epilogue, not a race of two library calls
     library, *rest = alt.stages
     assert library.kernel is None and library.module is not None
     assert len([s for s in rest if s.kernel is not None]) == (1 if tail else 0)
@@ -191,7 +192,7 @@ def test_a_gemm_with_no_epilogue_is_one_library_call(monkeypatch, bias, shape, e
     torch.manual_seed(0)
     model = Linear(lambda y: y, bias=bias, tail=False)
     ((rec, region, cand),) = _gemm_candidates(model, torch.randn(shape))
-    assert cand.name == "k_lt" and cand.kernels == [] and cand.kernel is None
+    assert cand.name == "k_lt" and cand.kernels == [] and cand.kernel is None and cand.library
     assert cand.source.startswith("// k_lt: cuBLASLt") and epilogue in cand.source
     vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
     gen = torch.Generator().manual_seed(1)
@@ -284,3 +285,33 @@ def test_an_mm_then_a_bias_add_is_one_library_call(monkeypatch, act, epilogue):
     assert calls == [epilogue]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("library, eager_ms, accepted", [
+    (True, 1.01, False),    # a library call 1% ahead of ATen's: a tie, ATen keeps it
+    (True, 1.05, True),     # 5% ahead: beyond the margin
+    (False, 1.01, True),    # a generated kernel needs only to be faster
+])
+def test_a_library_call_alone_replaces_atens_only_beyond_the_margin(library, eager_ms, accepted):
+    """A candidate that is one library call (cuBLASLt against ATen's cuBLAS) must be
+    LIBRARY_MARGIN faster than ATen's call; other candidates only faster."""
+    from types import SimpleNamespace
+
+    from stitch_backend.agents import acceptance
+    from stitch_backend.agents.state import Candidate, Verdict
+
+    assert acceptance.LIBRARY_MARGIN == 0.03
+
+    class Timed:                      # the Verifier's answer: correct, timed
+        def check(self, *args, **kwargs):
+            return Verdict(ok=True, reason="correct", correct=True, candidate_ms=1.0,
+                           eager_ms=eager_ms, clock="cuda-graph")
+
+    runner = SimpleNamespace(poisoning=lambda: None)
+    cand = Candidate(region_id=0, origin="template", name="k_lt", source="", library=library)
+    step = SimpleNamespace(aten=lambda *a: a, region=SimpleNamespace(id=0))
+    got, verdict = acceptance._judge(cand, step, [], [], Timed(), lambda c: runner)
+    assert got is runner and verdict.ok is accepted
+    if not accepted:
+        assert "library call must be 3% faster" in verdict.reason, verdict.reason
+
