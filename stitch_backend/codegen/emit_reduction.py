@@ -4,7 +4,8 @@
 consecutive lanes: shuffles), ``column`` layout when a row index is (consecutive threads
 take consecutive rows: coalesced). Each phase of reductions is one pass over the row, in
 chunks of VEC elements along the innermost reduced index (16-byte loads where aligned);
-results are combined by ``sfk_group_reduce`` (fixed trees, no atomics). Reductions
+results are combined by ``sfk_group_reduce`` (fixed trees, no atomics); short rows of a
+constant length (SERIAL_MAX_K) take one thread each, in a fully unrolled loop. Reductions
 across rows (``outer``) write one value per row to a workspace that the last block to
 finish reduces in a fixed order.
 """
@@ -106,6 +107,8 @@ def _layout(ir: KernelIR) -> str:
 # persistent, 65536x1024 0.163 vs 0.205, 8192x4096 0.094 vs 0.116, while layer norm
 # (no per-element math) kept its gain: 65536x768 0.112 persistent vs 0.117.
 PERSIST_CHUNKS = 4
+PERSIST_THREADS = 256
+PERSIST_REGS = 64
 # Rows of at most this many elements, a constant count and no vector path (a pooling
 # window, a strided short row) are reduced by one thread each in a fully unrolled loop:
 # the reduced indices become constants, so the window's index arithmetic folds. With a
@@ -113,8 +116,6 @@ PERSIST_CHUNKS = 4
 # division, clamps and bounds checks, and the generated kernel took 15.27 ms on the
 # H200 against ATen's 10.84 (which also writes int64 indices).
 SERIAL_MAX_K = 32
-PERSIST_THREADS = 256
-PERSIST_REGS = 64
 _ELEMENT_MATH = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh",
                            "erf", "erfc", "sin", "cos", "tan", "sinh", "cosh", "pow",
                            "sigmoid"})
