@@ -346,20 +346,28 @@ def _merge_bias_grads(regions: list[_Open]) -> None:
     holds nothing else, it joins the gemm region, so that the Coder can offer cuBLASLt's
     BGRADB epilogue: the product and the column sums of ``g`` in one call (its
     consumers run later than the gemm region either way)."""
+    # fused regions that are one sum over dim 0 (and views), by the summed node
+    sums: dict[torch.fx.Node, int] = {}
+    for j, region in enumerate(regions):
+        if region.kind is RegionKind.FUSED:
+            compute = [n for n in region.nodes if classify(n) is not OpClass.VIEW]
+            if len(compute) == 1 and compute[0].target is aten.sum.dim_IntList:
+                sums.setdefault(compute[0].args[0], j)
+    merged = False
     for i, region in enumerate(regions):
         if region.kind is not RegionKind.GEMM:
             continue
         mms = [n for n in region.nodes if n.target is aten.mm.default]
-        if len(mms) != 1 or not isinstance(mms[0].args[0], torch.fx.Node):
-            continue
-        for later in regions[i + 1:]:
-            if later.kind is not RegionKind.FUSED or not later.nodes:
-                continue
-            if bias_grad_pair(region.nodes + later.nodes) is not None:
-                region.nodes += later.nodes
-                later.nodes = []
-                break
-    regions[:] = [r for r in regions if r.nodes]
+        a = mms[0].args[0] if len(mms) == 1 else None
+        g = a.args[0] if isinstance(a, torch.fx.Node) and a.target in (
+            aten.t.default, aten.permute.default) else None
+        j = sums.get(g, -1) if isinstance(g, torch.fx.Node) else -1
+        if j > i and regions[j].nodes and bias_grad_pair(region.nodes + regions[j].nodes):
+            region.nodes += regions[j].nodes
+            regions[j].nodes = []
+            merged = True
+    if merged:
+        regions[:] = [r for r in regions if r.nodes]
 
 
 _BN_TRAIN = "aten._native_batch_norm_legit_functional.default"
