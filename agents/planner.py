@@ -314,6 +314,15 @@ def _move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: R
             owner[n] = j
 
 
+def _transposed_source(a: object) -> torch.fx.Node | None:
+    """``x`` where ``a`` is ``t(x)`` or ``permute(x, [1, 0])``, else None."""
+    if not isinstance(a, torch.fx.Node) or not (
+            a.target is aten.t.default or (a.target is aten.permute.default
+                                           and list(a.args[1]) == [1, 0])):
+        return None
+    return a.args[0] if isinstance(a.args[0], torch.fx.Node) else None
+
+
 def bias_grad_pair(nodes) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(mm, the sum, g) when ``nodes`` compute a Linear's weight and bias gradients from
     one output gradient ``g`` (2-D): ``mm(t(g), x)`` and ``sum(g, [0])``, besides views;
@@ -325,11 +334,7 @@ def bias_grad_pair(nodes) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] 
     if len(mms) != 1 or len(sums) != 1 or others:
         return None
     (mm,), (total,) = mms, sums
-    a = mm.args[0]
-    transposed = isinstance(a, torch.fx.Node) and (
-        a.target is aten.t.default or (a.target is aten.permute.default
-                                       and list(a.args[1]) == [1, 0]))
-    g = a.args[0] if transposed else None
+    g = _transposed_source(mm.args[0])
     if (g is None or total.args[0] is not g or list(total.args[1]) not in ([0], [-2])
             or total.kwargs.get("dtype") is not None):
         return None
@@ -358,10 +363,8 @@ def _merge_bias_grads(regions: list[_Open]) -> None:
         if region.kind is not RegionKind.GEMM:
             continue
         mms = [n for n in region.nodes if n.target is aten.mm.default]
-        a = mms[0].args[0] if len(mms) == 1 else None
-        g = a.args[0] if isinstance(a, torch.fx.Node) and a.target in (
-            aten.t.default, aten.permute.default) else None
-        j = sums.get(g, -1) if isinstance(g, torch.fx.Node) else -1
+        g = _transposed_source(mms[0].args[0]) if len(mms) == 1 else None
+        j = sums.get(g, -1) if g is not None else -1
         if j > i and regions[j].nodes and bias_grad_pair(region.nodes + regions[j].nodes):
             region.nodes += regions[j].nodes
             regions[j].nodes = []

@@ -262,12 +262,11 @@ def emit_reduction(ir: KernelIR) -> Emitted:
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial)
         for r in reds:
-            ct = compute_ctype(r.dtype)
-            if serial is not None:
-                em.reduced(r, row, f"acc{r.rid}")
-                continue
-            row.lines.append(f"    acc{r.rid} = sfk_group_reduce(acc{r.rid}, {_op_functor(r, ct)}, "
-                             f"log2_tk, {inner_flag}, reinterpret_cast<{_acc_ctype(r)}*>(sfk_smem));")
+            if serial is None:    # a row's threads combine their parts (serial: one thread)
+                row.lines.append(
+                    f"    acc{r.rid} = sfk_group_reduce(acc{r.rid}, "
+                    f"{_op_functor(r, compute_ctype(r.dtype))}, log2_tk, {inner_flag}, "
+                    f"reinterpret_cast<{_acc_ctype(r)}*>(sfk_smem));")
             em.reduced(r, row, f"acc{r.rid}")
     for st in ir.stores:
         if st.level == "row":
