@@ -47,6 +47,7 @@ import torch
 import torch.fx
 
 from .correctness import compare
+from .notes import read_note, write_note
 from .regions import rewritable_copy
 
 log = logging.getLogger("stitch_backend.layout")
@@ -376,14 +377,14 @@ def precision_verdicts(convs: list[torch.fx.Node], notes: Any = None
         key = _conv_key(node)
         if key not in verdicts:
             note_key = _note_key(key, node)
-            stored = _read_note(notes, note_key)
+            stored = read_note(notes, NOTE_KIND, note_key, _valid_verdict)
             if stored is not None:
                 verdicts[key] = Verdict(stored["why"], bool(stored.get("exact")))
             else:
                 verdicts[key] = _judge(node)
                 if verdicts[key].final:
-                    _write_note(notes, note_key, {"why": verdicts[key].why,
-                                                  "exact": verdicts[key].exact})
+                    write_note(notes, NOTE_KIND, note_key,
+                               {"why": verdicts[key].why, "exact": verdicts[key].exact})
         verdict = verdicts[key]
         if verdict.why is not None:
             refused[node.name] = verdict.why
@@ -444,26 +445,9 @@ def _note_key(key: tuple, node: torch.fx.Node) -> dict:
                       torch.are_deterministic_algorithms_enabled()]}
 
 
-def _read_note(notes: Any, key: dict) -> dict | None:
-    if notes is None:
-        return None
-    try:
-        value = notes.read_note(NOTE_KIND, key)
-    except Exception:  # noqa: BLE001 - a cache problem only costs the check
-        return None
-    if isinstance(value, dict) and "why" in value and (
-            value["why"] is None or isinstance(value["why"], str)):
-        return value
-    return None
-
-
-def _write_note(notes: Any, key: dict, value: dict) -> None:
-    if notes is None:
-        return
-    try:
-        notes.write_note(NOTE_KIND, key, value)
-    except Exception as err:  # noqa: BLE001 - the verdict holds for this process anyway
-        log.debug("channels-last: could not store a precision verdict: %s", err)
+def _valid_verdict(value: Any) -> bool:
+    return isinstance(value, dict) and "why" in value and (
+        value["why"] is None or isinstance(value["why"], str))
 
 
 def conv_outputs(node: torch.fx.Node, exact: bool = False

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .notes import read_note, write_note
+
 log = logging.getLogger("stitch_backend.lt_ops")
 
 aten = torch.ops.aten
@@ -61,11 +63,11 @@ def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogu
         return 0
     store = _store
     note = _note_key(key, a.device) if store is not None else None
-    algo = _read_note(store, note)
+    algo = read_note(store, NOTE_KIND, note, _valid_algo)
     if algo is None:
         algo = _lt.tune(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32,
                         max_algos=TUNE_ALGOS, iters=TUNE_ITERS)
-        _write_note(store, note, algo)
+        write_note(store, NOTE_KIND, note, algo)
     _algos[key] = algo
     return algo
 
@@ -100,24 +102,9 @@ def _note_key(key: tuple, device: torch.device) -> dict:
             "timed": TUNE_ALGOS}
 
 
-def _read_note(store: Any, note: dict | None) -> int | None:
-    if store is None or note is None:
-        return None
-    try:
-        value = store.read_note(NOTE_KIND, note)
-    except Exception:  # noqa: BLE001 - a cache problem only costs the timing
-        return None
-    # a stored value is data from disk: an index among the timed ones, or nothing
-    return value if type(value) is int and 0 <= value < TUNE_ALGOS else None
-
-
-def _write_note(store: Any, note: dict | None, algo: int) -> None:
-    if store is None or note is None:
-        return
-    try:
-        store.write_note(NOTE_KIND, note, algo)
-    except Exception as err:  # noqa: BLE001 - the choice holds for this process anyway
-        log.debug("cuBLASLt algorithm choice not stored: %s", err)
+def _valid_algo(value: Any) -> bool:
+    """A stored choice is data from disk: an index among the timed ones."""
+    return type(value) is int and 0 <= value < TUNE_ALGOS
 
 
 def _alignment(t: torch.Tensor | None) -> int:

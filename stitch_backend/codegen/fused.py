@@ -162,7 +162,8 @@ class FusedKernel:
         resident = self.sm_count * RESIDENT_THREADS_PER_SM
         if em.layout == "tiled":    # one TILE x TILE tile per block (its loop steps by the grid)
             # as for pointwise kernels below, a block per tile rather than a grid of
-            # resident threads (not yet measured for this template: kb/tune/transpose.py)
+            # resident threads: on the H200 (kb/tune/transpose.py, one run) an NHWC -> NCHW
+            # copy of (128, 128, 126, 126) fp32 took 0.526 ms so against 0.908 capped
             threads = TILE * TILE_ROWS
             blocks = min(_cdiv(max(rows, 1), TILE * TILE), MAX_GRID_X)
             return max(blocks, 1), threads, 0
