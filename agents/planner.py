@@ -335,7 +335,8 @@ def bias_grad_pair(nodes) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] 
         return None
     (mm,), (total,) = mms, sums
     g = _transposed_source(mm.args[0])
-    if (g is None or total.args[0] is not g or list(total.args[1]) not in ([0], [-2])
+    dims = total.args[1] if len(total.args) > 1 else None   # None: every dim
+    if (g is None or total.args[0] is not g or dims is None or list(dims) not in ([0], [-2])
             or total.kwargs.get("dtype") is not None):
         return None
     val = g.meta.get("val")

@@ -379,7 +379,9 @@ def test_a_linears_weight_and_bias_gradients_share_a_region_and_one_library_call
     g, x2 = torch.randn(32, 4), torch.randn(32, 16)
     for fn, pairs in ((lambda g, x: (torch.mm(g.t(), x), g.sum(0)), True),
                       (lambda g, x: (torch.mm(g.t(), x), g.sum(1)), False),
-                      (lambda g, x: (torch.mm(g.t(), x), x.sum(0)), False)):
+                      (lambda g, x: (torch.mm(g.t(), x), x.sum(0)), False),
+                      (lambda g, x: (torch.mm(g.t(), x),
+                                     torch.ops.aten.sum.dim_IntList(g, None)), False)):
         traced = make_fx(fn)(g, x2)
         ops = [n for n in traced.graph.nodes if n.op == "call_function"]
         assert (bias_grad_pair(ops) is not None) is pairs, traced.code
