@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -78,7 +79,8 @@ class TemplateCoder:
                 return plain
             lead = [Stage(head, module=region_module(subtask.graph, head))]
             if subtask.kind == "gemm":
-                library = self._lt_alternative(subtask, head, part)
+                library = (self._lt_alternative(subtask, head, part)
+                           or self._lt_bias_grad(subtask))
             stages = lead + self._epilogue_stages(subtask, part)
             if subtask.kind == "conv":
                 library, conv_tag = self._conv_kernel_alternative(subtask, head,
@@ -174,6 +176,66 @@ class TemplateCoder:
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs))
 
+    def _lt_bias_grad(self, subtask: Subtask) -> Candidate | None:
+        """A Linear's weight and bias gradients (``mm(t(g), x)`` and ``sum(g, [0])``, which
+        the Planner puts in one region: ``planner.bias_grad_pair``) as one cuBLASLt call
+        with the BGRADB epilogue (``lt_ops.lt_mm_bgrad``): ``g`` is read once. Both
+        operands row-major; None where that does not apply."""
+        from stitch_backend import lt_ops
+
+        from .planner import bias_grad_pair
+
+        gm = subtask.graph
+        nodes = {n.name: n for n in gm.graph.nodes}
+        pair = bias_grad_pair([nodes[n] for n in subtask.region.nodes])
+        if pair is None or not self._lt_can_run(pair[0]):
+            return None
+        mm, total, g = pair
+        x = mm.args[1]
+        gv = g.meta.get("val")
+        xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if (not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype != gv.dtype
+                or not gv.is_contiguous() or not xv.is_contiguous()):
+            return None
+        name = f"{subtask.region_name}_bg"
+        sub = sub_region(gm, list(subtask.region.nodes), subtask.region_id, 820)
+        module = region_module(gm, sub)
+        graph = module.graph
+        local = {n.name: n for n in graph.nodes}
+        l_mm, l_sum = local[mm.name], local[total.name]
+        first = next(n for n in graph.nodes if n in (l_mm, l_sum))
+        if first is l_sum and local[x.name].op != "placeholder":
+            return None     # x computed in the region after the sum: no place for the call
+        with graph.inserting_before(first):
+            call = graph.call_function(lt_ops.lt_mm_bgrad, (local[g.name], local[x.name]))
+            product = graph.call_function(operator.getitem, (call, 0))
+            product.meta = dict(l_mm.meta)
+            db = graph.call_function(operator.getitem, (call, 1))
+            sums = graph.call_function(aten.view.default,
+                                       (db, list(total.meta["val"].shape)))
+            sums.meta = dict(l_sum.meta)
+        l_mm.replace_all_uses_with(product)
+        l_sum.replace_all_uses_with(sums)
+        graph.erase_node(l_mm)
+        graph.erase_node(l_sum)
+        graph.eliminate_dead_code()
+        graph.lint()
+        header = (f"// {name}: cuBLASLt mm with epilogue BGRADB (the weight gradient and "
+                  f"sum(g, 0), the bias gradient, in one call), "
+                  f"{tuple(mm.meta['val'].shape)} {mm.meta['val'].dtype}\n")
+        return self._graph_candidate(subtask, name, header, sub, module, graph)
+
+    def _graph_candidate(self, subtask: Subtask, name: str, header: str, sub: Region,
+                         module: torch.fx.GraphModule, graph: torch.fx.Graph,
+                         library: bool = False) -> Candidate:
+        """A candidate whose one stage is ``graph`` (rewritten from ``module``, the
+        region's sub-module ``sub``): library calls, no generated kernel."""
+        return Candidate(region_id=subtask.region_id, origin=self.origin, name=name,
+                         source=header, stages=[Stage(sub, module=torch.fx.GraphModule(
+                             module, graph, class_name=name))],
+                         region_inputs=list(subtask.region.inputs),
+                         region_outputs=list(subtask.region.outputs), library=library)
+
     def _lt_can_run(self, mm: torch.fx.Node) -> bool:
         """Whether cuBLASLt can compute 2-D ``mm`` (an addmm's bias a row of N)."""
         from stitch_backend import lt_ops
@@ -221,11 +283,7 @@ class TemplateCoder:
         header = (f"// {name}: cuBLASLt {mm.target}{' + bias' if epilogue == 'BIAS' else ''} "
                   f"with epilogue {epilogue}, algorithm timed at the first "
                   f"call, {tuple(mm.meta['val'].shape)} {mm.meta['val'].dtype}\n")
-        return Candidate(region_id=subtask.region_id, origin=self.origin, name=name,
-                         source=header, stages=[Stage(sub, module=torch.fx.GraphModule(
-                             module, graph, class_name=name))],
-                         region_inputs=list(subtask.region.inputs),
-                         region_outputs=list(subtask.region.outputs))
+        return self._graph_candidate(subtask, name, header, sub, module, graph, library=True)
 
     def _conv_kernel_alternative(self, subtask: Subtask, head: Region, epilogue: list[Stage]
                                  ) -> tuple[Candidate | None, str | None]:

@@ -12,6 +12,8 @@ The partition is deterministic and greedy, in graph order:
   moves into that region;
 * pointwise, reduction and normalisation nodes join the open fused region when they
   consume a value it produces, else they open a new fused region;
+* in backward, a Linear's bias gradient ``sum(g, [0])`` joins the gemm region of its
+  weight gradient ``mm(t(g), x)`` (one cuBLASLt BGRADB call can compute both);
 * views and ``getitem``s move no data: they join the region of their producer when that
   region is still open, else the region of their first consumer;
 * a layout conversion the channels-last pass inserted is a fused region of its own;
@@ -47,6 +49,8 @@ from stitch_backend.opclass import POOL_OPS, OpClass, classify, fallback_reason,
 from stitch_backend.regions import boundary, feeding
 
 log = logging.getLogger("stitch_backend.agents.planner")
+
+aten = torch.ops.aten
 
 _FUSIBLE = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY}
 _ANCHOR_KIND = {OpClass.GEMM: RegionKind.GEMM, OpClass.CONV: RegionKind.CONV,
@@ -252,6 +256,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
 
     _defer_epilogues(gm, regions)
     _defer_norms(gm, regions)
+    _merge_bias_grads(regions)
     _merge_input_only(regions)
     plan = _finish(gm, regions, graph_name)
     check_plan(gm, plan)
@@ -307,6 +312,66 @@ def _move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: R
         regions[j].nodes += epi
         for n in epi:
             owner[n] = j
+
+
+def _transposed_source(a: object) -> torch.fx.Node | None:
+    """``x`` where ``a`` is ``t(x)`` or ``permute(x, [1, 0])``, else None."""
+    if not isinstance(a, torch.fx.Node) or not (
+            a.target is aten.t.default or (a.target is aten.permute.default
+                                           and list(a.args[1]) == [1, 0])):
+        return None
+    return a.args[0] if isinstance(a.args[0], torch.fx.Node) else None
+
+
+def bias_grad_pair(nodes) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(mm, the sum, g) when ``nodes`` compute a Linear's weight and bias gradients from
+    one output gradient ``g`` (2-D): ``mm(t(g), x)`` and ``sum(g, [0])``, besides views;
+    None otherwise."""
+    mms = [n for n in nodes if n.target is aten.mm.default]
+    sums = [n for n in nodes if n.target is aten.sum.dim_IntList]
+    others = [n for n in nodes if n not in mms and n not in sums
+              and classify(n) is not OpClass.VIEW]
+    if len(mms) != 1 or len(sums) != 1 or others:
+        return None
+    (mm,), (total,) = mms, sums
+    g = _transposed_source(mm.args[0])
+    dims = total.args[1] if len(total.args) > 1 else None   # None: every dim
+    if (g is None or total.args[0] is not g or dims is None or list(dims) not in ([0], [-2])
+            or total.kwargs.get("dtype") is not None):
+        return None
+    val = g.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 2:
+        return None
+    return mm, total, g
+
+
+def _merge_bias_grads(regions: list[_Open]) -> None:
+    """A Linear's backward reads its output gradient ``g`` twice: ``mm(t(g), x)`` for the
+    weight gradient (a gemm region) and ``sum(g, [0])`` for the bias gradient (a fused
+    region of its own, with its view). Where that fused region comes after the gemm and
+    holds nothing else, it joins the gemm region, so that the Coder can offer cuBLASLt's
+    BGRADB epilogue: the product and the column sums of ``g`` in one call (its
+    consumers run later than the gemm region either way)."""
+    # fused regions that are one sum over dim 0 (and views), by the summed node
+    sums: dict[torch.fx.Node, int] = {}
+    for j, region in enumerate(regions):
+        if region.kind is RegionKind.FUSED:
+            compute = [n for n in region.nodes if classify(n) is not OpClass.VIEW]
+            if len(compute) == 1 and compute[0].target is aten.sum.dim_IntList:
+                sums.setdefault(compute[0].args[0], j)
+    merged = False
+    for i, region in enumerate(regions):
+        if region.kind is not RegionKind.GEMM:
+            continue
+        mms = [n for n in region.nodes if n.target is aten.mm.default]
+        g = _transposed_source(mms[0].args[0]) if len(mms) == 1 else None
+        j = sums.get(g, -1) if g is not None else -1
+        if j > i and regions[j].nodes and bias_grad_pair(region.nodes + regions[j].nodes):
+            region.nodes += regions[j].nodes
+            regions[j].nodes = []
+            merged = True
+    if merged:
+        regions[:] = [r for r in regions if r.nodes]
 
 
 _BN_TRAIN = "aten._native_batch_norm_legit_functional.default"

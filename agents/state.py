@@ -84,6 +84,9 @@ class Candidate:
     # On a template candidate: untrusted candidates for the same region (LLM-written,
     # launched by this candidate's launch rule), judged beside it at acceptance.
     alternatives: list["Candidate"] = field(default_factory=list, repr=False, compare=False)
+    # A library call alone (no generated kernel), raced against ATen's library call:
+    # accepted only with a margin (``acceptance.LIBRARY_MARGIN``).
+    library: bool = False
 
     @property
     def kernels(self) -> list[Any]:

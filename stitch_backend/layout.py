@@ -171,12 +171,29 @@ def auto_declines(gm: torch.fx.GraphModule) -> str | None:
         x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
         if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
             continue
+        if _merges_batch_into_channels(node.args[0]):
+            continue                     # instance norm: its statistics read NCHW rows
         positions = x.numel() // x.shape[1]
         if positions < AUTO_MIN_POSITIONS:
             return (f"auto: {node.name} computes BatchNorm statistics over {positions} "
                     f"positions per channel, fewer than {AUTO_MIN_POSITIONS} (channels_last=True "
                     "forces the rewrite)")
     return None
+
+
+def _merges_batch_into_channels(x: torch.fx.Node) -> bool:
+    """Whether ``x`` is a view of a value of sizes (N, C, ...) as (1, N*C, ...), as
+    instance norm runs BatchNorm. That view cannot be expressed over channels-last
+    strides, so the pass gives it the traced layout first: the statistics then read
+    contiguous rows whatever the convolution's layout, and the position rule for NHWC
+    statistics does not apply (KernelBench L2 17, InstanceNorm2d over 126x126 positions,
+    was declined by it)."""
+    if x.op != "call_function" or x.target not in _VIEWS or not isinstance(x.args[0], torch.fx.Node):
+        return False
+    src, out = x.args[0].meta.get("val"), x.meta.get("val")
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and src.dim() == out.dim() and out.shape[0] == 1
+            and src.shape[0] * src.shape[1] == out.shape[1] and src.shape[2:] == out.shape[2:])
 
 
 def _strided_layer_norm(gm: torch.fx.GraphModule) -> str | None:

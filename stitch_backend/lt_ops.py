@@ -34,8 +34,7 @@ _lock = threading.Lock()
 _lt: Any = None
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-            epilogue: str) -> torch.Tensor:
+def _runtime() -> Any:
     global _lt
     if _lt is None:
         with _lock:
@@ -43,10 +42,29 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
                 from .runtime import LtMatmul
 
                 _lt = LtMatmul()
-    # torch's own setting for fp32 products (eager's addmm follows it too)
-    tf32 = a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return _lt
+
+
+def _tf32(a: torch.Tensor) -> bool:
+    """torch's own setting for fp32 products (eager's addmm follows it too)."""
+    return a.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+            epilogue: str) -> torch.Tensor:
+    _runtime()
+    tf32 = _tf32(a)
     algo = _choose(a, b, bias, epilogue, tf32)
     return _lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo)
+
+
+def _bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g.T @ x, g.sum(0))`` by cuBLASLt's BGRADB epilogue, the heuristics' first
+    algorithm (not timed: its problems are backward ones, met once per step)."""
+    lt = _runtime()
+    db = torch.empty(g.shape[1], dtype=g.dtype, device=g.device)
+    out = lt.matmul(g, x, trans_a=True, epilogue="BGRADB", bias=db, allow_tf32=_tf32(g))
+    return out, db
 
 
 def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
@@ -130,6 +148,12 @@ def lt_mm(a: torch.Tensor, b: torch.Tensor, epilogue: str) -> torch.Tensor:
     return _matmul(a, b, None, epilogue)
 
 
+def lt_mm_bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear's weight and bias gradients from its output gradient ``g``:
+    ``(mm(t(g), x), g.sum(0))`` in one cuBLASLt call."""
+    return _bgrad(g, x)
+
+
 def activation_epilogue(node: torch.fx.Node) -> str | None:
     """The cuBLASLt epilogue name of an activation node ("RELU", "GELU"), or None."""
     if node.op != "call_function":
@@ -144,4 +168,4 @@ def activation_epilogue(node: torch.fx.Node) -> str | None:
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ["DTYPES", "activation_epilogue", "lt_addmm", "lt_mm"]
+__all__ = ["DTYPES", "activation_epilogue", "lt_addmm", "lt_mm", "lt_mm_bgrad"]

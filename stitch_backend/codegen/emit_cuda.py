@@ -40,6 +40,7 @@ class Emitted:
     workspaces: tuple[tuple[str, torch.dtype], ...]  # (name, dtype) of per-row outer buffers
     arg_names: tuple[str, ...]
     max_threads: int = 1024   # its __launch_bounds__: the launch never exceeds it
+    serial: bool = False      # a reduction whose rows take one thread each (short rows)
 
 
 # The most rows a reduction's row loop steps at once: its grid (fused.MAX_ROW_BLOCKS at

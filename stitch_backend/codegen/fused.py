@@ -30,6 +30,7 @@ code_log = logging.getLogger("stitch_backend.codegen.source")
 
 POINTWISE_THREADS = 256
 MAX_THREADS = 1024
+SERIAL_THREADS = 256             # reductions of short rows, one thread a row
 RESIDENT_THREADS_PER_SM = 2048  # H100/H200; used only to size grid-stride grids
 INT32_MAX = 2 ** 31 - 1
 MAX_GRID_X = 2 ** 31 - 1          # CUDA's limit on gridDim.x
@@ -179,6 +180,9 @@ class FusedKernel:
                 # (the emitter leaves at least 2^24 of headroom above the element count).
                 blocks = min(blocks, max(resident // threads, (INT32_MAX - rows) // per_block))
             return max(min(blocks, MAX_GRID_X), 1), threads, 0
+        if em.serial:               # one thread a row (emit_reduction.SERIAL_MAX_K)
+            threads = SERIAL_THREADS
+            return max(min(_cdiv(max(rows, 1), threads), MAX_ROW_BLOCKS), 1), threads, 0
         if em.layout == "inner":
             chunks = _cdiv(reduce_len, em.vec)
             tk = min(MAX_THREADS, em.max_threads, _pow2_at_least(max(1, _cdiv(chunks, 4))))

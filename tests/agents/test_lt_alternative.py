@@ -69,6 +69,7 @@ def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue,
     ((rec, region, cand),) = _gemm_candidates(Linear(act, bias, tail), torch.randn(shape))
     (alt,) = [a for a in cand.alternatives if a.name.endswith("_lt")]
     assert alt.source.startswith("// k_lt: cuBLASLt") and epilogue in alt.source.splitlines()[0]
+    assert not alt.library      # a fused epilogue, not a race of two library calls
     library, *rest = alt.stages
     assert library.kernel is None and library.module is not None
     assert len([s for s in rest if s.kernel is not None]) == (1 if tail else 0)
@@ -191,7 +192,7 @@ def test_a_gemm_with_no_epilogue_is_one_library_call(monkeypatch, bias, shape, e
     torch.manual_seed(0)
     model = Linear(lambda y: y, bias=bias, tail=False)
     ((rec, region, cand),) = _gemm_candidates(model, torch.randn(shape))
-    assert cand.name == "k_lt" and cand.kernels == [] and cand.kernel is None
+    assert cand.name == "k_lt" and cand.kernels == [] and cand.kernel is None and cand.library
     assert cand.source.startswith("// k_lt: cuBLASLt") and epilogue in cand.source
     vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
     gen = torch.Generator().manual_seed(1)
@@ -284,3 +285,119 @@ def test_an_mm_then_a_bias_add_is_one_library_call(monkeypatch, act, epilogue):
     assert calls == [epilogue]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("library, eager_ms, accepted", [
+    (True, 1.01, False),    # a library call 1% ahead of ATen's: a tie, ATen keeps it
+    (True, 1.05, True),     # 5% ahead: beyond the margin
+    (False, 1.01, True),    # a generated kernel needs only to be faster
+])
+def test_a_library_call_alone_replaces_atens_only_beyond_the_margin(library, eager_ms, accepted):
+    """A candidate that is one library call (cuBLASLt against ATen's cuBLAS) must be
+    LIBRARY_MARGIN faster than ATen's call; other candidates only faster."""
+    from types import SimpleNamespace
+
+    from stitch_backend.agents import acceptance
+    from stitch_backend.agents.state import Candidate, Verdict
+
+    assert acceptance.LIBRARY_MARGIN == 0.03
+
+    class Timed:                      # the Verifier's answer: correct, timed
+        def check(self, *args, **kwargs):
+            return Verdict(ok=True, reason="correct", correct=True, candidate_ms=1.0,
+                           eager_ms=eager_ms, clock="cuda-graph")
+
+    runner = SimpleNamespace(poisoning=lambda: None)
+    cand = Candidate(region_id=0, origin="template", name="k_lt", source="", library=library)
+    step = SimpleNamespace(aten=lambda *a: a, region=SimpleNamespace(id=0))
+    got, verdict = acceptance._judge(cand, step, [], [], Timed(), lambda c: runner)
+    assert got is runner and verdict.ok is accepted
+    if not accepted:
+        assert "library call must be 3% faster" in verdict.reason, verdict.reason
+
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _backward_record(model, x, backend):
+    compiled = torch.compile(model, backend=backend)
+    compiled(x).square().sum().backward()
+    (rec,) = [r for r in backend.records if r.stage == "backward"]
+    return rec
+
+
+def test_a_linears_weight_and_bias_gradients_share_a_region_and_one_library_call(monkeypatch):
+    """Backward reads the output gradient g for mm(t(g), x) and for sum(g, 0): the
+    Planner puts the two in one gemm region (planner.bias_grad_pair), whose cuBLASLt
+    alternative computes both in one BGRADB call; on the CPU with a stand-in for the
+    library it matches the region as traced, and the step's gradients are eager's."""
+    from stitch_backend.agents.planner import bias_grad_pair
+
+    calls = []
+
+    def stand_in(g, x):
+        calls.append((tuple(g.shape), tuple(x.shape)))
+        return g.t() @ x, g.sum(0)
+    monkeypatch.setattr(lt_ops, "_bgrad", stand_in)
+    torch.manual_seed(0)
+    model, reference = TwoLinears(), TwoLinears()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(32, 8)
+    rec = _backward_record(model, x, StitchBackend(options={"cpu_interpret": True,
+                                                            "cache": False}))
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+    nodes = {n.name: n for n in rec.gm.graph.nodes}
+    paired = [r for r in rec.plan.regions
+              if bias_grad_pair([nodes[n] for n in r.nodes]) is not None]
+    assert len(paired) == 1 and paired[0].kind.value == "gemm", rec.plan.regions
+    region = paired[0]
+    cand = TemplateCoder(library_on_cpu=True).propose(subtask_for(rec.gm, region, "k"))
+    (alt,) = [a for a in cand.alternatives if a.name == "k_bg"]
+    assert alt.source.startswith("// k_bg: cuBLASLt mm with epilogue BGRADB") and not alt.kernels
+    vals = {ph.name: ph.meta["val"] for ph in rec.gm.graph.find_nodes(op="placeholder")}
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(vals[n].shape, generator=gen) for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    got = runner_for(alt, base=InterpretedRunner)(*inputs)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=1e-5, atol=1e-5)
+    assert calls and calls[-1] == ((32, 4), (32, 16))
+
+    # at the ATen level: sum(g, 0) beside mm(t(g), x) pairs; a sum over dim 1, or of
+    # another tensor, does not
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g, x2 = torch.randn(32, 4), torch.randn(32, 16)
+    for fn, pairs in ((lambda g, x: (torch.mm(g.t(), x), g.sum(0)), True),
+                      (lambda g, x: (torch.mm(g.t(), x), g.sum(1)), False),
+                      (lambda g, x: (torch.mm(g.t(), x), x.sum(0)), False),
+                      (lambda g, x: (torch.mm(g.t(), x),
+                                     torch.ops.aten.sum.dim_IntList(g, None)), False)):
+        traced = make_fx(fn)(g, x2)
+        ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+        assert (bias_grad_pair(ops) is not None) is pairs, traced.code
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_training_step_races_the_bias_gradient_call_and_keeps_eagers_gradients():
+    torch.manual_seed(0)
+    model, reference = TwoLinears().cuda(), TwoLinears().cuda()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(256, 8, device="cuda")
+    backend = StitchBackend(options={"cache": False})
+    _backward_record(model, x, backend)
+    reference(x).square().sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    verified = [a for t in backend.trajectories for a in t.attempts
+                if a.action == "verify" and a.candidate.name.endswith("_bg")]
+    assert verified and all(a.verdict.correct for a in verified), [a.verdict for a in verified]

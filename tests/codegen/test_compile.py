@@ -193,3 +193,24 @@ def test_pointwise_kernels_launch_a_thread_per_vector():
     assert near + blocks * threads * 4 <= INT32_MAX
     assert blocks * threads * 4 < near          # a grid-stride loop: several steps
     assert k.launch_shape(1000, 0)[0] == 1
+
+
+def test_short_window_rows_take_one_thread_each_in_an_unrolled_loop():
+    """A pooling's window (a constant count of at most SERIAL_MAX_K elements, read without
+    the vector path) is reduced by one thread a row in a fully unrolled loop, so the
+    window offsets are constants (emit_reduction's comment: L1 42 on the H200), and the
+    launch gives every thread its own row; long rows keep their thread groups."""
+    from stitch_backend.codegen.emit_reduction import SERIAL_MAX_K
+    from stitch_backend.codegen.fused import SERIAL_THREADS
+
+    by_name = {c.name: c for c in CASES + BIG}
+    for name, window in (("pool_max2d_pad", 16), ("pool_max3d", 27), ("pool_max1d_dilated", 8)):
+        k = generate(by_name[name].trace(), name)
+        assert k.emitted.serial and window <= SERIAL_MAX_K, name
+        assert f"for (int k0 = 0; k0 < {window}; ++k0)" in k.source, name
+        assert "sfk_group_reduce" not in k.source, name
+        rows = 3 * SERIAL_THREADS + 5
+        assert k.launch_shape(rows, window) == (4, SERIAL_THREADS, 0), name
+    for name in ("big_softmax", "red_sum_last"):
+        k = generate(by_name[name].trace(), name)
+        assert not k.emitted.serial and "sfk_group_reduce" in k.source, name
