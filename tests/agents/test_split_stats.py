@@ -30,6 +30,25 @@ class ConvBN(nn.Module):
         return torch.relu(self.bn(self.conv(x)))
 
 
+class ConvMishBN(ConvBN):
+    """A BatchNorm whose input is computed by a longer chain: bias add, view, Mish's ops
+    (KernelBench L2 52's shape, smaller)."""
+
+    def forward(self, x):
+        x = self.conv(x)
+        return self.bn(torch.tanh(torch.nn.functional.softplus(x)) * x)
+
+
+class Conv3dBN(nn.Module):
+    def __init__(self, c_in=3, c=8):
+        super().__init__()
+        self.conv = nn.Conv3d(c_in, c, 3, padding=1)
+        self.bn = nn.BatchNorm3d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
 class FewRowsLayerNorm(nn.Module):
     """A layer norm over the last three dims of a (2, 8, 32, 32) input: 2 rows of 8192
     (L1 40's shape, smaller), then an activation that joins the normalising stage."""
@@ -98,8 +117,10 @@ def _values(gm):
     return env
 
 
-@pytest.mark.parametrize("model,shape", [(ConvBN(), (2, 3, 64, 64)), (BNOnly(), (2, 8, 64, 64))],
-                         ids=["conv_epilogue", "fused_region"])
+@pytest.mark.parametrize("model,shape", [(ConvBN(), (2, 3, 64, 64)), (BNOnly(), (2, 8, 64, 64)),
+                                         (ConvMishBN(), (2, 3, 64, 64)),
+                                         (Conv3dBN(), (2, 3, 8, 16, 16))],
+                         ids=["conv_epilogue", "fused_region", "activation_chain", "conv3d"])
 def test_split_candidate_matches_the_region(model, shape):
     rec = _graph(model.train(), torch.randn(shape))
     env = _values(rec.gm)
@@ -136,6 +157,23 @@ def test_channels_last_batchnorm_is_split_without_the_option():
     # the conversion back to NCHW is the template's third kernel, in the splits' last
     assert kernels == {"k_split": 5, "k_split1p": 3, "k_sc": 3, "k_sc_split": 6,
                        "k_sc_split1p": 4}, kernels
+    inputs = [env[n] for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    for alt in alts:
+        got = runner_for(alt, base=InterpretedRunner)(*inputs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert g.stride() == w.stride()
+
+
+def test_channels_last_3d_batchnorm_is_split():
+    rec = _graph(Conv3dBN(c=16).train(), torch.randn(4, 3, 8, 16, 16), channels_last=True)
+    env = _values(rec.gm)
+    region = next(r for r in rec.plan.regions if r.kind.value == "conv")
+    assert env[region.nodes[0]].is_contiguous(memory_format=torch.channels_last_3d)
+    alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    names = {a.name for a in alts}
+    assert {"k_split", "k_split1p"} <= names, names
     inputs = [env[n] for n in region.inputs]
     want = region_module(rec.gm, region)(*inputs)
     for alt in alts:
@@ -337,3 +375,25 @@ def test_layer_norm_split_verifies_on_the_gpu():
     verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
                 for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
     assert len(verified) == 2 and all(verified.values()), verified
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make,shape", [(lambda: ConvMishBN(c=128), (8, 3, 64, 64)),
+                                        (lambda: Conv3dBN(c=32), (4, 3, 16, 32, 32))],
+                         ids=["activation_chain", "conv3d"])
+def test_channels_last_splits_verify_on_the_gpu(make, shape):
+    """The splits of a BatchNorm after a long activation chain and of a 3-D one pass the
+    Verifier on the GPU, and the compiled model gives eager's result."""
+    torch.manual_seed(0)
+    model = make().cuda().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cache": False, "require_speedup": False,
+                                     "channels_last": True})
+    x = torch.randn(shape, device="cuda")
+    # cuDNN's TF32 off: its NHWC and NCHW kernels then agree to fp32 rounding
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        got = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-4)
+    verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
+                for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
+    assert verified and all(verified.values()), verified

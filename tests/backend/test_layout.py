@@ -569,20 +569,18 @@ def test_auto_keeps_a_3d_convolution_exact_only_without_tf32_as_traced(monkeypat
     assert note.startswith("channels-last: 1 convolution(s) run NHWC (1 with cuDNN's TF32 off"), note
 
 
-def test_auto_does_not_count_instance_norm_statistics_as_nhwc_batchnorm(monkeypatch):
-    """Instance norm runs BatchNorm over a (1, N*C, H, W) view, which reads the traced
-    layout whatever the convolution's: the position rule does not decline it, and the
-    values and output strides stay eager's."""
+def test_auto_keeps_instance_norm_after_a_convolution_as_traced():
+    """Instance norm runs BatchNorm over a (1, N*C, H, W) view, which needs the traced
+    layout: ``auto`` declines with that reason (not the position rule's), and a forced
+    rewrite gives the statistics contiguous rows and keeps eager's values and strides."""
     make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8), nn.ReLU())  # noqa: E731
-    x = torch.randn(2, 3, 10, 10)
+    x = torch.randn(2, 3, 100, 100)   # 19208 positions: the position rule would rewrite
     torch.manual_seed(0)
-    (note,), rec = _auto_notes(make().train(), x)
-    assert note.startswith("channels-last: 1 convolution(s) run NHWC"), note
+    (note,), _ = _auto_notes(make().train(), x)
+    assert note.startswith("channels-last off: auto: ") and "instance norm" in note, note
+    torch._dynamo.reset()
+    backend = _check(make, x[:, :, :10, :10], channels_last=True)
+    rec = backend.records[0]
+    assert rec.notes[0].startswith("channels-last: 1 convolution(s) run NHWC"), rec.notes[0]
     (bn,) = [n for n in rec.gm.graph.nodes if n.target is aten._native_batch_norm_legit.no_stats]
     assert bn.args[0].meta["val"].is_contiguous()
-    torch._dynamo.reset()
-    _check(make, x, channels_last=None)
-    # a real BatchNorm over as few positions is still declined
-    torch._dynamo.reset()
-    (note,), _ = _auto_notes(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).train(), x)
-    assert note.startswith("channels-last off: auto: ") and "positions per channel" in note, note
