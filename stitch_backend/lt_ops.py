@@ -52,10 +52,10 @@ def _tf32(a: torch.Tensor) -> bool:
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
             epilogue: str) -> torch.Tensor:
-    _runtime()
+    lt = _runtime()
     tf32 = _tf32(a)
     algo = _choose(a, b, bias, epilogue, tf32)
-    return _lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo)
+    return lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo)
 
 
 def _bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogu
     note = _note_key(key, a.device) if store is not None else None
     algo = read_note(store, NOTE_KIND, note, _valid_algo)
     if algo is None:
-        algo = _lt.tune(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32,
+        algo = _runtime().tune(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32,
                         max_algos=TUNE_ALGOS, iters=TUNE_ITERS)
         write_note(store, NOTE_KIND, note, algo)
     _algos[key] = algo
@@ -150,7 +150,9 @@ def lt_mm(a: torch.Tensor, b: torch.Tensor, epilogue: str) -> torch.Tensor:
 
 def lt_mm_bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A Linear's weight and bias gradients from its output gradient ``g``:
-    ``(mm(t(g), x), g.sum(0))`` in one cuBLASLt call."""
+    ``(mm(t(g), x), g.sum(0))`` in one cuBLASLt call. The graphs the Coder writes hold
+    this function; it looks ``_bgrad`` up at each call, so that tests can stand in for
+    the library (as ``lt_mm``/``lt_addmm`` do through ``_matmul``)."""
     return _bgrad(g, x)
 
 
