@@ -27,7 +27,10 @@ from stitch_backend.correctness import compare
 from stitch_backend.program import Program, Step
 from stitch_backend.regions import constant_inputs
 
+from .hotspots import Hotspots
+from .hotspots import measure as measure_hotspots
 from .state import Attempt, Candidate, Trajectory, Verdict
+from .ties import settle as settle_ties
 from .verifier import Verifier, upcast
 
 log = logging.getLogger("stitch_backend.agents.acceptance")
@@ -56,13 +59,19 @@ class _RngState:
 def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier,
                       trajectory: Trajectory | None = None,
                       on_done: Callable[[Program], None] | None = None,
-                      make_runner: Callable[[Any], Any] | None = None) -> Any:
-    """Run ``program`` on ATen for ``inputs``, verify and install its pending candidates,
-    check the whole Program, and return the ATen outputs. ``make_runner(candidate)``
-    builds the callable that runs a candidate (default: load its cubin on the GPU)."""
+                      make_runner: Callable[[Any], Any] | None = None,
+                      extras: Callable[[Hotspots | None], None] | None = None) -> Any:
+    """Measure ``program``'s regions on ATen for ``inputs`` (``hotspots``), let ``extras``
+    add candidates knowing those times (the LLM Coder), then run it on ATen once more,
+    verify and install its pending candidates, check the whole Program, and return the
+    ATen outputs. ``make_runner(candidate)`` builds the callable that runs a candidate
+    (default: load its cubin on the GPU)."""
     from stitch_backend.kernels import runner_for
 
     make_runner = make_runner or runner_for
+    spots = _hotspots(program, inputs)
+    if extras is not None:
+        extras(spots)
 
     pending = dict(program.pending)
     program.pending = {}
@@ -109,13 +118,19 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         for rid, runner in accepted.items():
             program.step_of(rid).fn = runner
         before.restore()
-        got = program.run_inputs(inputs)
+        got, ties = settle_ties(program.graph_module, inputs, program.run_inputs(inputs),
+                                reference)
         cmp = compare(got, reference, None)
         if not cmp.ok_design:
             before.restore()
             ref64 = _run_aten(program, upcast(inputs))
             cmp = compare(got, reference, ref64)
         if cmp.ok_design:
+            for tie in ties:
+                program.notes_sink.append(
+                    f"end-to-end check: output {tie.output}'s indices pick another position "
+                    f"than eager's at {tie.differing} of {tie.total} places, each a near tie "
+                    "(the values there equal within tolerance): judged as eager's")
             for rid, runner in accepted.items():
                 region = program.step_of(rid).region
                 region.backend = "kernel"
@@ -135,6 +150,24 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         with _untrusted_stored_as_aten(program, accepted):
             on_done(program)
     return reference
+
+
+def _hotspots(program: Program, inputs: list[Any]) -> Hotspots | None:
+    """The regions' ATen times on ``inputs``, also kept as each region's ``aten_ms``
+    (None, with the reason in the graph's notes, where the measurement failed: the
+    verification that follows does not depend on it)."""
+    rng = _RngState()
+    try:
+        spots = measure_hotspots(program, inputs)
+    except Exception as err:  # noqa: BLE001 - a profile is advice, never a failed call
+        program.notes_sink.append(f"hotspots not measured ({type(err).__name__}: {err}): "
+                                  "regions are taken in graph order")
+        return None
+    finally:
+        rng.restore()
+    for step in program.steps:
+        step.region.aten_ms = spots.ms.get(step.region.id)
+    return spots
 
 
 def _judge(cand: Candidate, step: Step, inputs: list[Any], eager_outs: Sequence[Any],

@@ -1,12 +1,16 @@
 """The LLM Coder's place in the loop: extra candidates beside the template's.
 
-With ``coder="template+llm"`` and an endpoint and model configured, every region whose
-template candidate is one compiled kernel gets the LLM Coder's loop (screen, compile in
-a child process, repair), regions in parallel. What comes out is attached to the
-template candidate as ``alternatives``; acceptance runs each first in a child process,
-then through the Verifier, and the fastest verified candidate wins. Nothing here
-replaces or delays a template candidate beyond the loop's budget, and a missing
-``openai`` package or an unreachable endpoint only costs the extras (said in a warning).
+With ``coder="template+llm"`` and an endpoint and model configured, the regions whose
+template candidate is one compiled kernel get the LLM Coder's loop (screen, compile in
+a child process, repair), regions in parallel. It runs at the Program's first call, once
+``agents.hotspots`` has timed every region on the real inputs: the slowest regions go
+first, and those outside the hottest ``llm_hot_percent`` of the graph's time are left
+out (said in the graph's notes), so model calls are spent where the time is. What comes
+out is attached to the template candidate as ``alternatives``; acceptance runs each
+first in a child process, then through the Verifier, and the fastest verified candidate
+wins. Nothing here replaces or delays a template candidate beyond the loop's budget, and
+a missing ``openai`` package or an unreachable endpoint only costs the extras (said in a
+warning).
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from stitch_backend.logs import warn_once
 
+from .hotspots import Hotspots
 from .state import Candidate, Subtask, Task, Trajectory
 
 log = logging.getLogger("stitch_backend.agents.llm_extras")
@@ -37,11 +42,56 @@ def trajectory_path(cfg: Any, task: Task) -> Path | None:
     return Path(cfg.llm_trajectory_dir).expanduser() / f"{task.graph}_{task.key[:12]}.jsonl"
 
 
+def eligible(templates: dict[int, Candidate], subtasks: dict[int, Subtask]) -> list[int]:
+    """Region ids whose template candidate is one compiled kernel (what the LLM Coder's
+    candidates replace, launched by the template's launch rule), in graph order."""
+    return [rid for rid, c in templates.items()
+            if c.stages is None and c.kernel is not None and rid in subtasks]
+
+
+def first_call_extras(task: Task, subtasks: dict[int, Subtask],
+                      templates: dict[int, Candidate], *, arch: str, cfg: Any,
+                      trajectory: Trajectory, notes: list[str],
+                      client: Any = None) -> Callable[[Hotspots | None], None] | None:
+    """The hook ``acceptance.verify_first_call`` calls with the measured hotspots: the LLM
+    Coder's candidates for the hottest eligible regions, slowest first (once; a Program
+    verified again for a new shape keeps what the first call added). None when the
+    settings do not ask for LLM candidates or no region is eligible."""
+    regions = eligible(templates, subtasks)
+    if (client is None and not wanted(cfg)) or not regions:
+        return None
+    done: list[bool] = []
+
+    def add(spots: Hotspots | None) -> None:
+        if done:
+            return
+        done.append(True)
+        chosen = regions if spots is None else spots.hottest(regions,
+                                                             cfg.llm_hot_percent / 100)
+        if len(chosen) < len(regions):
+            notes.append(f"LLM Coder: {len(chosen)} of {len(regions)} region(s), the "
+                         f"slowest first, covering {cfg.llm_hot_percent}% of their ATen "
+                         "time at the first call; the others keep the template's kernel")
+        try:
+            llm_candidates(task, subtasks, templates, arch=arch, cfg=cfg,
+                           trajectory=trajectory, client=client, regions=chosen)
+        except Exception as err:  # noqa: BLE001 - the optional Coder must not break the model
+            from stitch_backend.config import llm_api_key
+
+            from .llm import redact
+
+            log.warning("LLM Coder failed on %s: %s: %s", task.graph, type(err).__name__,
+                        redact(str(err), llm_api_key()))
+
+    return add
+
+
 def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int, Candidate],
-                   *, arch: str, cfg: Any, trajectory: Trajectory,
-                   client: Any = None) -> dict[int, list[Candidate]]:
+                   *, arch: str, cfg: Any, trajectory: Trajectory, client: Any = None,
+                   regions: Sequence[int] | None = None) -> dict[int, list[Candidate]]:
     """Compiled LLM candidates per region id, also attached to ``templates[rid]`` as
-    ``alternatives``. Empty when the settings do not ask for them or no client can be
+    ``alternatives``, for ``regions`` (in that order; default: every eligible one, in
+    graph order). Empty when the settings do not ask for them or no client can be
     made. ``client`` overrides the one the settings describe (tests)."""
     from .llm import LLMUnavailable, client_from_config
     from .llm_coder import Budget, LLMCoder, screen_and_compile
@@ -59,20 +109,22 @@ def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int
     coder = LLMCoder(client, budget, arch=arch, trajectory=trajectory,
                      trajectory_path=trajectory_path(cfg, task))
     evaluate = screen_and_compile(arch, timeout_s=float(cfg.llm_sandbox_timeout_s))
-    eligible = [rid for rid, c in templates.items()
-                if c.stages is None and c.kernel is not None and rid in subtasks]
-    if not eligible:
+    allowed = set(eligible(templates, subtasks))
+    order = [rid for rid in (regions if regions is not None else sorted(allowed))
+             if rid in allowed]
+    if not order:
         return {}
 
     def one(rid: int) -> tuple[int, list[Candidate]]:
         return rid, coder.run(subtasks[rid], templates[rid], evaluate)
 
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_REGIONS, len(eligible)),
+    # submitted in ``order``: with more regions than workers, the first ones start first
+    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_REGIONS, len(order)),
                             thread_name_prefix="stitchcuda-llm") as pool:
-        results = list(pool.map(one, eligible))
+        results = list(pool.map(one, order))
     extras = {rid: cands for rid, cands in results if cands}
     for rid, cands in extras.items():
         templates[rid].alternatives += list(cands)
     log.info("LLM Coder: %d extra candidate(s) for %d of %d region(s) of %s",
-             sum(map(len, extras.values())), len(extras), len(eligible), task.graph)
+             sum(map(len, extras.values())), len(extras), len(order), task.graph)
     return extras

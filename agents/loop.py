@@ -3,8 +3,9 @@
 Candidates are compiled in parallel; a region whose candidate cannot be produced or
 compiled stays on ATen with the reason written into the Plan. Verification needs real
 inputs, so it happens on the Program's first call (``stitch_backend.program``), which
-calls back into ``agents.verifier``. With ``coder="template+llm"`` the LLM Coder then
-adds untrusted candidates beside the template's (``agents.llm_extras``).
+calls back into ``agents.acceptance``. With ``coder="template+llm"`` the LLM Coder adds
+untrusted candidates beside the template's there, once the regions' ATen times on the
+real inputs rank them (``agents.llm_extras``, ``agents.hotspots``).
 """
 
 from __future__ import annotations
@@ -33,18 +34,17 @@ class Implementation:
     candidates: dict[int, Candidate] = field(default_factory=dict)
     trajectory: Trajectory | None = None
     compile_s: float = 0.0
-    # Untrusted (LLM) candidates per region, also on ``candidates[rid].alternatives``.
-    extra_candidates: dict[int, list[Candidate]] = field(default_factory=dict)
-    llm_s: float = 0.0
     notes: list[str] = field(default_factory=list)   # for the graph's report
+    # The subtask of every region with a candidate (the LLM Coder's work orders).
+    subtasks: dict[int, Subtask] = field(default_factory=dict)
 
 
 def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
               sm_count: int = 132, workers: int | None = None,
               compile: bool = True, config: Any = None) -> Implementation:
     """Propose and compile a candidate for every region the templates cover
-    (``compile=False``: propose only, for the CPU interpreter), then, when ``config``
-    (default: the process settings) asks for it, the LLM Coder's extra candidates."""
+    (``compile=False``: propose only, for the CPU interpreter); ``config`` (default: the
+    process settings) says whether the split-statistics variants are proposed."""
     from stitch_backend.toolchain import CompileError, CompileJob, compile_many, csrc_dir
 
     from stitch_backend import config as config_mod
@@ -73,7 +73,7 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         subtasks[region.id] = sub
 
     if not compile:
-        out = Implementation(trajectory=trajectory)
+        out = Implementation(trajectory=trajectory, subtasks=subtasks)
         for cand in proposals:
             out.candidates[cand.region_id] = cand
             trajectory.attempts.append(Attempt("generate", cand, None))
@@ -100,7 +100,8 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             alt.cubin, alt.compile_s = result.cubin, result.seconds
     for cand in proposals:
         cand.alternatives = [a for a in cand.alternatives if a.compile_error is None]
-    out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0, notes=notes)
+    out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0, notes=notes,
+                         subtasks=subtasks)
     by_id = {r.id: r for r in plan.regions}
     for cand, result in zip(proposals, results):
         if isinstance(result, CompileError):
@@ -112,28 +113,4 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             cand.cubin, cand.compile_s = result.cubin, result.seconds
         out.candidates[cand.region_id] = cand
         trajectory.attempts.append(Attempt("generate", cand, None))
-    _add_llm_candidates(out, task, subtasks, arch, config)
     return out
-
-
-def _add_llm_candidates(out: Implementation, task: Task, subtasks: dict[int, Subtask],
-                        arch: str, config: Any) -> None:
-    from stitch_backend import config as config_mod
-
-    from .llm_extras import llm_candidates, wanted
-
-    cfg = config if config is not None else config_mod.current()
-    if not out.candidates or not wanted(cfg):
-        return
-    t0 = time.perf_counter()
-    try:
-        out.extra_candidates = llm_candidates(task, subtasks, out.candidates, arch=arch,
-                                              cfg=cfg, trajectory=out.trajectory)
-    except Exception as err:  # noqa: BLE001 - the optional Coder must not break the model
-        from stitch_backend.config import llm_api_key
-
-        from .llm import redact
-
-        log.warning("LLM Coder failed on %s: %s: %s", task.graph, type(err).__name__,
-                    redact(str(err), llm_api_key()))
-    out.llm_s = time.perf_counter() - t0

@@ -202,8 +202,8 @@ def warm_start(entry, gm, plan: Plan, *, task_graph: str, sm_count: int,
 
 def _restore_verdicts(plan: Plan, stored: Plan) -> None:
     for r, s in zip(plan.regions, stored.regions):
-        r.backend, r.kernel, r.speedup, r.time_ms, r.reason = (
-            s.backend, s.kernel, s.speedup, s.time_ms, s.reason)
+        r.backend, r.kernel, r.speedup, r.time_ms, r.aten_ms, r.reason = (
+            s.backend, s.kernel, s.speedup, s.time_ms, s.aten_ms, s.reason)
 
 
 def _launch_records(cand) -> dict:

@@ -365,8 +365,16 @@ class StitchBackend:
             if slot is not None:
                 artifacts.store_program(slot, program, record, impl.candidates)
 
+        extras = None
+        if not interpreted:   # untrusted kernels run only on CUDA inputs
+            from stitch_backend.agents.llm_extras import first_call_extras
+
+            extras = first_call_extras(task, impl.subtasks, impl.candidates, arch=arch,
+                                       cfg=self.config, trajectory=impl.trajectory,
+                                       notes=notes)
         verify = self._verifier_call(base, graph_timing=graph_timing,
-                                     trajectory=impl.trajectory, on_done=on_done)
+                                     trajectory=impl.trajectory, on_done=on_done,
+                                     extras=extras)
         return Program(gm, plan, pending=impl.candidates, verify=verify)
 
     def _replay_ineligible(self, gm, example_inputs, record: GraphRecord) -> str | None:

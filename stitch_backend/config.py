@@ -180,6 +180,13 @@ class Config:
         metadata=_meta("STITCHCUDA_LLM_BUDGET_S", False,
                        "LLM Coder budget per region: wall seconds."),
     )
+    llm_hot_percent: int = field(
+        default=90,
+        metadata=_meta("STITCHCUDA_LLM_HOT_PERCENT", False,
+                       "The LLM Coder works on a graph's hottest regions, slowest first, "
+                       "until they cover this percentage of the ATen time measured at the "
+                       "first call (1-100; 100: every region it can take)."),
+    )
     llm_trajectory_dir: str = field(
         default="",
         metadata=_meta("STITCHCUDA_LLM_TRAJECTORY_DIR", False,
@@ -272,7 +279,10 @@ def _parse(f: dataclasses.Field, value: Any, *, source: str) -> Any:
         if kind.startswith("int"):
             if isinstance(value, bool):
                 raise ValueError(f"expected an integer, got {value!r}")
-            return int(value)
+            number = int(value)
+            if f.name == "llm_hot_percent" and not 1 <= number <= 100:
+                raise ValueError(f"expected a percentage from 1 to 100, got {number}")
+            return number
         if kind.startswith("str"):
             if value is None and "None" in kind:
                 return None

@@ -60,6 +60,8 @@ class Region:
     kernel: str | None = None
     speedup: float | None = None
     time_ms: float | None = None
+    # The region's ATen time in the graph, measured at the first call (agents.hotspots).
+    aten_ms: float | None = None
 
     @property
     def name(self) -> str:

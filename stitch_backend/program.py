@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -124,6 +123,11 @@ class Program:
         for s, i in last_use.items():
             if s not in keep:
                 self.steps[i].free_after.append(s)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The ATen graph the Program runs."""
+        return self._gm
 
     def step_of(self, region_id: int) -> Step:
         return next(s for s in self.steps if s.region.id == region_id)
@@ -281,25 +285,6 @@ class Program:
                 slots[s] = None
         self.calls += 1
         return _unflatten(self._out_spec, slots)
-
-    def profile(self, args: list[Any], sync: Callable[[], None] | None = None) -> list[float]:
-        """Run once, timing each step with the host clock (after ``sync``); milliseconds."""
-        slots: list[Any] = [None] * self.num_slots
-        slots[: self.num_inputs] = list(args)
-        for s, value in self.constants:
-            slots[s] = value
-        times = []
-        for step in self.steps:
-            if sync:
-                sync()
-            t0 = time.perf_counter()
-            outs = step.fn(*[slots[s] for s in step.inputs])
-            if sync:
-                sync()
-            times.append((time.perf_counter() - t0) * 1e3)
-            for s, v in zip(step.outputs, outs):
-                slots[s] = v
-        return times
 
 
 def _straight_line(gm: torch.fx.GraphModule, steps: Sequence[Step]) -> Callable[[list[Any]], Any]:

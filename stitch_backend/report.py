@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
-from .ir import RegionKind
+from .ir import Region, RegionKind
 
 
 def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
@@ -31,14 +31,23 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
         memory = rec.memory()
         if memory is not None:
             lines.append(f"  {memory.line()}")
+        spent = hotspots_line(rec.plan.regions)
+        if spent:
+            lines.append(f"  {spent}")
+        total = sum(r.aten_ms for r in rec.plan.regions if r.aten_ms is not None)
         for region in rec.plan.regions:
             ops = [o.removeprefix("aten.").removesuffix(".default") for o in region.ops]
             shown = ", ".join(ops[:max_ops]) + (f", ... (+{len(ops) - max_ops})"
                                                  if len(ops) > max_ops else "")
             runs = region.kernel if region.backend != "aten" and region.kernel else region.backend
             line = f"  [{region.id:3d}] {region.kind.value:9s} {runs:10s} {shown}"
+            facts = []
             if region.speedup is not None:
-                line += f"  ({region.speedup:.2f}x eager)"
+                facts.append(f"{region.speedup:.2f}x eager")
+            if region.aten_ms is not None and total > 0:
+                facts.append(f"{region.aten_ms / total:.0%} of ATen time")
+            if facts:
+                line += f"  ({'; '.join(facts)})"
             lines.append(line)
             if region.kind is RegionKind.FALLBACK and region.reason:
                 lines.append(f"        fallback: {region.reason}")
@@ -46,6 +55,18 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
                     region.reason in note for note in rec.notes):
                 lines.append(f"        on ATen: {region.reason}")
     return "\n".join(lines)
+
+
+def hotspots_line(regions: Sequence[Region], top: int = 5) -> str | None:
+    """Where the graph's time goes: its regions' ATen times measured at the first call
+    (``agents.hotspots``), slowest first; None when they were not measured."""
+    timed = [r for r in regions if r.aten_ms is not None]
+    total = sum(r.aten_ms for r in timed)
+    if not timed or total <= 0:
+        return None
+    slowest = sorted(timed, key=lambda r: -r.aten_ms)[:top]
+    shown = ", ".join(f"[{r.id}] {r.aten_ms / total:.0%}" for r in slowest)
+    return f"hotspots: {total:.3f} ms on ATen at the first call; slowest regions {shown}"
 
 
 def render_json(records: Iterable[Any]) -> dict[str, Any]:

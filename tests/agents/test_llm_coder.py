@@ -165,11 +165,12 @@ def test_the_key_is_in_no_trajectory_log_or_exception(llm_server, llm_client, ll
 
 
 @pytest.mark.nvcc
-def test_implement_adds_compiled_llm_candidates_beside_the_template(llm_server, llm_secret,
+def test_first_call_adds_compiled_llm_candidates_beside_the_template(llm_server, llm_secret,
                                                                    tmp_path, monkeypatch):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from stitch_backend import config as config_mod
+    from stitch_backend.agents.llm_extras import first_call_extras
     from stitch_backend.agents.loop import implement
     from stitch_backend.agents.planner import partition
 
@@ -198,8 +199,12 @@ def test_implement_adds_compiled_llm_candidates_beside_the_template(llm_server, 
     (rid,) = impl.candidates
     template = impl.candidates[rid]
     assert template.origin == "template" and template.cubin is not None
-    (extra,) = impl.extra_candidates[rid]
-    assert template.alternatives == [extra]
+    # the model is asked at the first call, once the regions are timed on real inputs
+    assert template.alternatives == [] and llm_server.requests == []
+    hook = first_call_extras(TASK, impl.subtasks, impl.candidates, arch="sm_90a", cfg=cfg,
+                             trajectory=impl.trajectory, notes=[])
+    hook(None)
+    (extra,) = template.alternatives
     assert extra.origin == "llm" and not extra.trusted and extra.cubin[:4] == b"\x7fELF"
     assert extra.source.strip() == template.source.strip() == template_source[0].strip()
     assert extra.kernel is template.kernel
