@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from stitch_backend.correctness import compare
+from stitch_backend.correctness import compare, run_fp64
 
 from .state import Verdict
 
@@ -96,12 +96,6 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerat
     return out
 
 
-def upcast(inputs: Sequence[Any]) -> list[Any]:
-    """Floating-point tensors as float64 (the reference run), everything else as is."""
-    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-            for x in inputs]
-
-
 def _outputs_differ(a: Sequence[Any], b: Sequence[Any]) -> bool:
     for x, y in zip(a, b):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -156,7 +150,7 @@ class Verifier:
             ref64 = None
             if any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in d):
                 try:
-                    ref64 = list(eager(*upcast(d)))
+                    ref64 = list(run_fp64(eager, d))
                 except Exception:  # noqa: BLE001 - some ops have no fp64 kernel
                     ref64 = None
             cmp = compare(got, ref, ref64)

@@ -13,6 +13,12 @@ Two verdicts from one comparison:
 
 One rule for the whole project: the Verifier judges candidates with it, the bench judges
 backends, the demo judges its example. Torch only: it imports nothing from the backend.
+
+The fp64 run of an ATen graph (``run_fp64``) upcasts the floating-point inputs and, while
+it runs, turns every cast to a floating type, and every floating dtype an op is told to
+produce, into float64: a graph traced under autocast converts its inputs to bf16 itself,
+and without this its "fp64" run would round exactly where eager rounds, so eager's own
+error would read as 0 and any other rounding as wrong.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}
 _DEFAULT_TOLERANCE = 1e-4
@@ -51,6 +58,43 @@ def flatten_outputs(x: Any) -> list[Any]:
 def tolerance_for(dtype: torch.dtype) -> float:
     """atol = rtol used for outputs of ``dtype`` (fp32/fp64: 1e-4, fp16/bf16: 1e-2)."""
     return _TOLERANCE.get(dtype, _DEFAULT_TOLERANCE)
+
+
+def upcast(inputs: Any) -> list[Any]:
+    """Floating-point tensors as float64 (the reference run), everything else as is."""
+    return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            for x in inputs]
+
+
+def run_fp64(fn: Any, inputs: Any) -> Any:
+    """``fn`` (ATen ops) on ``inputs`` upcast to float64, its own casts to floating types
+    made to float64 too (see the module's notes)."""
+    with _Float64Casts():
+        return fn(*upcast(inputs))
+
+
+class _Float64Casts(TorchDispatchMode):
+    """Every floating dtype an ATen op is asked to produce becomes float64 (integer and
+    bool ones, and bit reinterpretations such as ``view.dtype``, stay as they are)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _lowered(kwargs.get("dtype")):
+            kwargs["dtype"] = torch.float64
+        if func is torch.ops.prims.convert_element_type.default and _lowered(args[1]):
+            args = (args[0], torch.float64, *args[2:])
+        elif func in _HALF_TO_FLOAT and len(args) > 2 and args[2] and (
+                args[0].dtype == torch.float64):
+            args = (args[0], args[1], False, *args[3:])   # its input is no longer half
+        return func(*args, **kwargs)
+
+
+_HALF_TO_FLOAT = (torch.ops.aten._softmax.default, torch.ops.aten._log_softmax.default)
+
+
+def _lowered(dtype: Any) -> bool:
+    return (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+            and dtype != torch.float64)
 
 
 def compare(out: Any, ref_eager: Any, ref_fp64: Any | None, *, factor: float = 2.0,

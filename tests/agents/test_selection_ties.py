@@ -145,3 +145,27 @@ def test_a_training_step_with_max_pooling_keeps_its_kernels_when_picks_tie(monke
     assert any(r.backend == "kernel" for r in forward.plan.regions), backend.report()
     assert any("near tie" in n for n in forward.notes), forward.notes
     torch.testing.assert_close(loss, Net()(x, w.detach()))
+
+
+def test_values_that_differ_from_eager_widen_the_tie_by_twice_their_difference():
+    """bf16 values under autocast differ from eager's by an ulp. Here the Program's values
+    differ from eager's by up to 1e-3, which moves the first window's maximum to the
+    other position, 1.9e-3 above (more than 1e-4 of 5.0, less than 2 x 1e-3 more): a
+    tie. A pick of a position 1e-2 below the maximum is not."""
+    x, window, other = _near_tie_input()
+    gm, fn = _pool_graph(x)
+    y, vals, idx = fn(x)
+    ours_y = y.clone()
+    ours_y[window] = 5.0 - 1e-3
+    ours_y[other] = 5.0 - 1e-6 + 9e-4
+    ours = _swap_first_pick(idx, 2)                   # flat position 1: ``other``
+    got, settled = settle(gm, [x], (ours_y, vals, ours), (y, vals, idx))
+    assert [s.output for s in settled] == [2] and torch.equal(got[2], idx)
+    third = (0, 0, 1, 0)                              # flat position 4, the same window
+    ours_y[third] = ours_y[window] - 1e-2
+    y3 = y.clone()
+    y3[third] = ours_y[third]
+    ours = idx.clone()
+    ours[0, 0, 0, 0] = 4
+    got, settled = settle(gm, [x], (ours_y, vals, ours), (y3, vals, idx))
+    assert settled == [] and torch.equal(got[2], ours)

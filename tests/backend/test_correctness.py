@@ -113,3 +113,33 @@ def test_integer_outputs_compared_exactly():
     assert compare(idx.clone(), idx, idx).ok_design
     c = compare(idx + 1, idx, idx)
     assert not c.ok_kernelbench and not c.ok_design
+
+
+def test_the_fp64_run_does_not_round_where_the_graph_casts_down():
+    """A graph traced under autocast casts its inputs to bf16 itself: its fp64 run must
+    not, or eager's own rounding would read as exact and any other rounding as wrong."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from stitch_backend.correctness import run_fp64
+
+    def fn(x, w):
+        xb = torch.ops.aten._to_copy.default(x, dtype=torch.bfloat16)
+        wb = torch.ops.prims.convert_element_type.default(w, torch.bfloat16)
+        s = torch.ops.aten._softmax.default(torch.ops.aten.mm.default(xb, wb), 1, False)
+        bits = torch.ops.aten.view.dtype(s, torch.int16)       # a reinterpretation stays
+        total = torch.ops.aten.sum.dim_IntList(s, [1], dtype=torch.float32)
+        return torch.ops.aten._to_copy.default(s, dtype=torch.float32), bits, total
+
+    x, w = torch.randn(8, 16), torch.randn(16, 32)
+    gm = make_fx(fn)(x, w)
+    eager = gm(x, w)
+    ref = run_fp64(gm, [x, w])
+    assert ref[0].dtype == torch.float64 and ref[2].dtype == torch.float64
+    assert ref[1].dtype == torch.int16                          # from an fp64 value now
+    exact = torch.softmax(x.double() @ w.double(), 1)
+    torch.testing.assert_close(ref[0], exact, atol=1e-12, rtol=1e-12)
+    assert float((eager[0].double() - exact).abs().max()) > 1e-4   # eager rounds to bf16
+    # so an fp32 result as close to the exact one as eager's passes the DESIGN rule
+    ours = (eager[0].double() + (exact - eager[0].double()) * 0.5).float()
+    cmp = compare(ours, eager[0], ref[0])
+    assert not cmp.ok_kernelbench and cmp.ok_design, cmp.reason
