@@ -9,6 +9,11 @@ once. On the H200, L3 RegNet spent 0.29 ms of its 2.0 ms call in those six bias 
 
 Only convolutions cuDNN runs are rewritten (CUDA values, cuDNN enabled, one group):
 ATen's own depthwise kernel starts its sum from the bias, a different rounding order.
+For fp16/bf16, cuDNN's path in ATen rounds the product to the output's type and then
+adds the bias (rounding again), as the split graph does. ATen's CPU convolutions (the
+CPU interpreter's tests) add a bf16 bias inside the kernel, rounding once, so there
+only fp32 convolutions are split (under CPU autocast, L2 25's doubly rounded values
+moved its channel minimum at near ties and its bias gradient off eager's by 4x).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ def _eligible(node: torch.fx.Node, device: str) -> bool:
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return False
     xv, _, bv, out = vals
+    if device != "cuda" and out.dtype != torch.float32:
+        return False
     return (xv.device.type == device and bv.dim() == 1
             and isinstance(bv.shape[0], int) and out.dim() >= 3)
 

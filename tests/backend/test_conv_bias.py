@@ -105,3 +105,18 @@ def test_training_with_moved_biases_gives_eagers_gradients():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     forward = next(r for r in backend.records if r.stage == "forward")
     assert any("convolution bias(es) added in the epilogue" in n for n in forward.notes)
+
+
+def test_cpu_bf16_convolutions_keep_their_bias():
+    """ATen's CPU convolution adds a bf16 bias inside the kernel (one rounding): split
+    there, the product would round twice, unlike eager, so only fp32 ones move."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x, w, b):
+        return aten.convolution.default(x, w, b, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+
+    for dtype, moved in ((torch.float32, 1), (torch.bfloat16, 0), (torch.float16, 0)):
+        args = [torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(4)]
+        gm = make_fx(fn, tracing_mode="fake")(*[a.to(dtype) for a in args])
+        assert split_conv_bias(gm, "cpu")[1] == moved, dtype
+        assert split_conv_bias(gm, "cuda")[1] == 0      # values on the CPU are not cuDNN's
