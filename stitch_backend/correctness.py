@@ -75,10 +75,13 @@ def run_fp64(fn: Any, inputs: Any) -> Any:
 
 class _Float64Casts(TorchDispatchMode):
     """Every floating dtype an ATen op is asked to produce becomes float64 (integer and
-    bool ones, and bit reinterpretations such as ``view.dtype``, stay as they are)."""
+    bool ones, bit reinterpretations such as ``view.dtype``, and random draws, which
+    would give other numbers in float64, stay as they are)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return func(*args, **kwargs)   # random draws: eager's numbers, not fp64 ones
         if _lowered(kwargs.get("dtype")):
             kwargs["dtype"] = torch.float64
         if func is torch.ops.prims.convert_element_type.default and _lowered(args[1]):

@@ -143,3 +143,18 @@ def test_the_fp64_run_does_not_round_where_the_graph_casts_down():
     ours = (eager[0].double() + (exact - eager[0].double()) * 0.5).float()
     cmp = compare(ours, eager[0], ref[0])
     assert not cmp.ok_kernelbench and cmp.ok_design, cmp.reason
+
+
+def test_the_fp64_run_draws_the_random_numbers_eager_draws():
+    from stitch_backend.correctness import run_fp64
+
+    def fn(x):
+        return x + torch.ops.aten.randn.default([4, 4], dtype=torch.float32)
+
+    x = torch.zeros(4, 4)
+    torch.manual_seed(0)
+    want = fn(x)
+    torch.manual_seed(0)
+    got = run_fp64(fn, [x])
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want.double(), atol=0, rtol=0)
