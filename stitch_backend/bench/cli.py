@@ -54,6 +54,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.compile's own per-call cost (Dynamo with its eager backend) "
                         "(default: %(default)s)")
     p.add_argument("--eval", action="store_true", help="model.eval() (default: training mode, as KernelBench)")
+    p.add_argument("--training", action="store_true",
+                   help="time a training step instead of a forward under no_grad: forward, "
+                        "the outputs weighted by fixed random tensors and summed, backward; "
+                        "outputs and parameter gradients are checked")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default="",
+                   help="run the forwards under torch.autocast to this dtype (the fp64 "
+                        "reference model without)")
     p.add_argument("--trials", type=int, default=5, help="correctness input draws (default: %(default)s)")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default: 100 on cuda, 10 on cpu)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 10 on cuda, 2 on cpu)")
@@ -158,8 +165,14 @@ def run(args: argparse.Namespace) -> int:
         if v is not None and v < (0 if flag == "warmup" else 1):
             print(f"stitchcuda bench: error: --{flag} must be positive", file=sys.stderr)
             return USAGE_ERROR
+    if args.eval and args.training:
+        print("stitchcuda bench: error: --eval and --training exclude each other (a training "
+              "step runs the module in training mode)", file=sys.stderr)
+        return USAGE_ERROR
     cfg = BenchConfig(
-        backends=backends, device=device, mode="eval" if args.eval else "train",
+        backends=backends, device=device,
+        mode="eval" if args.eval else ("train-step" if args.training else "train"),
+        autocast=args.autocast,
         trials=args.trials,
         runs=args.runs if args.runs is not None else (100 if on_gpu else 10),
         warmup=args.warmup if args.warmup is not None else (10 if on_gpu else 2),

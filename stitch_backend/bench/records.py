@@ -28,7 +28,9 @@ class BenchRecord:
     backend: str
     status: str
     device: str = ""
-    mode: str = "train"                      # "train" (KernelBench's default) or "eval"
+    mode: str = "train"                      # "train" (KernelBench's default), "eval" or
+                                             # "train-step" (forward + backward a call)
+    autocast: str = ""                       # "bf16"/"fp16": forwards under torch.autocast
     task_run: str = ""
     correct_kernelbench: bool | None = None  # every trial within atol=rtol of eager
     correct_design: bool | None = None       # DESIGN.md's rule (1e-4 of eager, or fp64 rule)

@@ -58,6 +58,7 @@ class BenchConfig:
     caches: str = "fresh"            # "fresh" or "keep"
     recompile: bool = True
     interleave: bool = False         # compile every backend, then time in rotating rounds
+    autocast: str = ""               # "bf16"/"fp16": forwards under torch.autocast
     plot: bool = True
     progress: bool = True
     python: str = sys.executable
@@ -129,7 +130,7 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
                           device=cfg.device, mode=cfg.mode, trials=cfg.trials, runs=cfg.runs,
                           warmup=cfg.warmup, seed=cfg.seed, task_run=task_run,
                           caches=cfg.caches, recompile=cfg.recompile,
-                          interleave=cfg.interleave)
+                          interleave=cfg.interleave, autocast=cfg.autocast)
     with tempfile.TemporaryDirectory(prefix="stitchcuda-bench-") as tmp_name:
         tmp = Path(tmp_name)
         out = tmp / "records.jsonl"
@@ -166,7 +167,8 @@ def run_task_process(cfg: BenchConfig, ref: ProblemRef, task_run: str,
             status = CRASH
             reason = (f"worker exited with {_describe_rc(rc)} before writing this record")
         records.append(BenchRecord(task=ref.name, spec=ref.spec, backend=b, status=status,
-                                   device=cfg.device, mode=cfg.mode, task_run=task_run,
+                                   device=cfg.device, mode=cfg.mode,
+                                   autocast=cfg.autocast, task_run=task_run,
                                    caches=cfg.caches, trials=cfg.trials, reason=reason,
                                    error=tail, time_unix=time.time()))
     order = {b: i for i, b in enumerate(cfg.backends)}
@@ -219,12 +221,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _done_tasks(records: list[BenchRecord], cfg: BenchConfig) -> set[str]:
-    """Tasks whose last run covered every requested backend on this device and mode."""
+    """Tasks whose last run covered every requested backend on this device, mode and
+    autocast."""
     done = set()
     for r in latest_runs(records):
         recs = r.records
         if all(b in recs for b in cfg.backends) and all(
-                x.device == cfg.device and x.mode == cfg.mode for x in recs.values()):
+                x.device == cfg.device and x.mode == cfg.mode and x.autocast == cfg.autocast
+                for x in recs.values()):
             done.add(r.task)
     return done
 
@@ -400,12 +404,14 @@ def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:
             break
     if cfg.report_only and first is not None:     # describe the run that made the records
         return {"device": first.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
-                "triton": env.get("triton"), "mode": first.mode, "trials": first.trials,
+                "triton": env.get("triton"), "mode": first.mode,
+                "autocast": first.autocast or None, "trials": first.trials,
                 "caches": first.caches, "tasks": len(results), "report": "--report-only",
                 "gpu_shared_by": max((rec.env.get("gpu_shared_by") or 0 for r in results
                                       for rec in r.records.values()), default=0) or None}
     return {"device": cfg.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
-            "triton": env.get("triton"), "mode": cfg.mode, "trials": cfg.trials,
+            "triton": env.get("triton"), "mode": cfg.mode, "autocast": cfg.autocast or None,
+            "trials": cfg.trials,
             "runs": cfg.runs, "caches": cfg.caches, "tasks": len(results),
             "gpu_shared_by": _shared_by(cfg),
             "timing": "interleaved rounds" if cfg.interleave else None}

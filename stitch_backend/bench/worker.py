@@ -11,7 +11,11 @@ clocks falling) weighs on every backend alike instead of on the ones timed last.
 
 Following KernelBench: the model stays in training mode (``--eval`` switches), every
 call runs under ``torch.no_grad()``, fp32, and ``torch.manual_seed(seed)`` precedes the
-construction of each model instance.
+construction of each model instance (``--autocast bf16|fp16`` runs the forwards under
+``torch.autocast``, the fp64 reference model without). Mode ``train-step`` (``stitchcuda
+bench --training``) makes every call a training step instead (``training_step``): forward,
+the outputs weighted by fixed random tensors and summed, backward; what is checked is
+the outputs and every parameter's gradient, and what is timed is the whole step.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class TaskConfig:
     recompile: bool = True
     ref_cache_bytes: int | None = None      # None: an eighth of device memory (CUDA), 4 GiB (CPU)
     interleave: bool = False                # compile all, then time in rotating rounds
+    autocast: str = ""                      # "bf16" or "fp16": forwards under torch.autocast
 
     def to_argv(self, out: Path) -> list[str]:
         argv = ["--spec", self.spec, "--name", self.name, "--backends", ",".join(self.backends),
@@ -70,6 +75,8 @@ class TaskConfig:
             argv += ["--ref-cache-bytes", str(self.ref_cache_bytes)]
         if self.interleave:
             argv.append("--interleave")
+        if self.autocast:
+            argv += ["--autocast", self.autocast]
         return argv
 
 
@@ -132,6 +139,69 @@ def _fingerprint(x: Any) -> list[torch.Tensor]:
     return out
 
 
+class LossWeights:
+    """The fixed random weights a training step sums its outputs with: one tensor per
+    floating output, drawn from ``seed`` on the first step (from the first outputs'
+    shapes) and kept, per dtype, so every backend and the fp64 model get the same loss."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._base: list[torch.Tensor | None] | None = None
+        self._by_dtype: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def loss(self, out: Any) -> torch.Tensor | None:
+        leaves = flatten_outputs(out)
+        if self._base is None:
+            gen = torch.Generator().manual_seed(self.seed)
+            self._base = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)
+                          if _is_float(t) else None for t in leaves]
+        total = None
+        for i, t in enumerate(leaves):
+            if i >= len(self._base) or self._base[i] is None or not _is_float(t):
+                continue
+            key = (i, t.dtype)
+            if key not in self._by_dtype:
+                self._by_dtype[key] = self._base[i].to(t.dtype)
+            term = (t * self._by_dtype[key]).sum()
+            total = term if total is None else total + term
+        return total
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, name: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to the dtype ``name`` ("bf16"/"fp16") on ``device``; nothing
+    for ""."""
+    if not name:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST[name])
+
+
+def training_step(fn: Callable[..., Any], model: torch.nn.Module, inputs: list[Any],
+                  weights: LossWeights,
+                  amp: contextlib.AbstractContextManager | None = None
+                  ) -> tuple[Any, list[torch.Tensor | None]]:
+    """One training step of ``fn`` (``model`` or its compiled form): gradients cleared,
+    forward (inside ``amp``, an autocast, when given), ``weights``' loss, backward; the
+    outputs (detached) and every parameter's gradient (None where it gets none)."""
+    params = list(model.parameters())
+    for p in params:
+        p.grad = None
+    with torch.enable_grad():
+        with amp or contextlib.nullcontext():
+            out = fn(*inputs)
+        loss = weights.loss(out)
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+    detached = [t.detach() if isinstance(t, torch.Tensor) else t for t in flatten_outputs(out)]
+    return detached, [p.grad for p in params]
+
+
 def draw_inputs(problem: Problem, seed: int, device: torch.device) -> list[Any]:
     """The problem's inputs under ``seed``, drawn on ``device`` itself (a problem's
     ``torch.rand`` lands there directly: KernelBench's level-1 inputs are GBs, which the
@@ -151,6 +221,7 @@ class References:
         self.problem, self.cfg, self.device = problem, cfg, device
         rng = random.Random(cfg.seed)
         self.trial_seeds = [rng.randrange(2**31) for _ in range(cfg.trials)]
+        self.weights = LossWeights(cfg.seed)
         self.model = build_model(problem, cfg, device)
         self.fp64_error = ""
         try:
@@ -172,15 +243,25 @@ class References:
     def inputs(self, t: int) -> list[Any]:
         return draw_inputs(self.problem, self.trial_seeds[t], self.device)
 
+    def call(self, fn: Callable[..., Any], model: torch.nn.Module, inputs: list[Any],
+             amp: bool = True) -> Any:
+        """One call as this task makes it: ``fn(*inputs)``, or a training step of it;
+        the forward under the task's autocast unless ``amp`` is False (the fp64 model)."""
+        ctx = autocast(self.device, self.cfg.autocast if amp else "")
+        if self.cfg.mode == "train-step":
+            return training_step(fn, model, inputs, self.weights, ctx)
+        with ctx:
+            return fn(*inputs)
+
     def trial(self, t: int) -> TrialRef:
         if t in self._cache:
             return self._cache[t]
         inputs = self.inputs(t)
         torch.manual_seed(self.trial_seeds[t])
-        eager = self.model(*_clone(inputs))
+        eager = self.call(self.model, self.model, _clone(inputs))
         if t == 0 and self.eager_deterministic is None:
             # No reseed: a model that draws random numbers (dropout) must show it here.
-            again = self.model(*_clone(inputs))
+            again = self.call(self.model, self.model, _clone(inputs))
             self.determinism_max_abs = _max_abs_diff(eager, again)
             self.eager_deterministic = self.determinism_max_abs == 0.0
             del again
@@ -188,7 +269,7 @@ class References:
         if self.model64 is not None:
             try:
                 torch.manual_seed(self.trial_seeds[t])
-                fp64 = self.model64(*_upcast(inputs))
+                fp64 = self.call(self.model64, self.model64, _upcast(inputs), amp=False)
             except Exception as exc:
                 self.fp64_error = f"{type(exc).__name__}: {exc}"
         ref = TrialRef(inputs, eager, fp64)
@@ -219,7 +300,7 @@ def build_model(problem: Problem, cfg: TaskConfig, device: torch.device) -> torc
     """A fresh instance under ``manual_seed(cfg.seed)``, on ``device``, in the configured mode."""
     torch.manual_seed(cfg.seed)
     model = problem.make_model().to(device)
-    model.train(cfg.mode == "train")
+    model.train(cfg.mode != "eval")
     return model
 
 
@@ -323,7 +404,8 @@ def prepare_backend(name: str, problem: Problem, refs: References, cfg: TaskConf
         first_inputs = _clone(ref0.inputs)
     with contextlib.nullcontext() if backends_mod.compiles_on_host(name) else turn:
         torch.manual_seed(refs.trial_seeds[0])
-        fields["cold_first_call_s"], out = time_first_call(lambda: compiled.fn(*first_inputs), device)
+        fields["cold_first_call_s"], out = time_first_call(
+            lambda: refs.call(compiled.fn, model, first_inputs), device)
     with turn:
         checks = [("first call", compare(out, ref0.eager, ref0.fp64))]
         out_bytes = _nbytes(out)
@@ -331,7 +413,7 @@ def prepare_backend(name: str, problem: Problem, refs: References, cfg: TaskConf
         for t in range(cfg.trials):
             ref = refs.trial(t)
             torch.manual_seed(refs.trial_seeds[t])
-            out = compiled.fn(*_clone(ref.inputs))
+            out = refs.call(compiled.fn, model, _clone(ref.inputs))
             checks.append((f"trial {t}", compare(out, ref.eager, ref.fp64)))
             del out, ref
         fields.update(_aggregate(checks))
@@ -340,7 +422,8 @@ def prepare_backend(name: str, problem: Problem, refs: References, cfg: TaskConf
         timing_inputs = _clone(refs.trial(0).inputs)
         fields["io_bytes"] = (_nbytes(timing_inputs) + out_bytes
                               + sum(_nbytes(t) for t in (*model.parameters(), *model.buffers())))
-    return Ready(name, model, compiled, marker, lambda: compiled.fn(*timing_inputs), fields)
+    return Ready(name, model, compiled, marker,
+                 lambda: refs.call(compiled.fn, model, timing_inputs), fields)
 
 
 def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
@@ -373,7 +456,8 @@ def _finish(ready: Ready, refs: References, cfg: TaskConfig,
         again_marker = backends_mod.graph_count_marker(again)
         torch.manual_seed(refs.trial_seeds[0])
         inputs = _clone(refs.trial(0).inputs)
-        fields["recompile_first_call_s"], _ = time_first_call(lambda: again.fn(*inputs), device)
+        fields["recompile_first_call_s"], _ = time_first_call(
+            lambda: refs.call(again.fn, ready.model, inputs), device)
         fields.update(_backend_share(backends_mod.backend_records(again, since=again_marker)))
         del again
     fields["backend_records"] = backends_mod.backend_records(ready.compiled, since=ready.marker)
@@ -425,7 +509,8 @@ def run_task(cfg: TaskConfig, sink: Callable[[BenchRecord], None]) -> None:
     device = torch.device(cfg.device)
     env = environment(device)
     base = dict(task=cfg.name, spec=cfg.spec, device=device.type, mode=cfg.mode,
-                task_run=cfg.task_run, caches=cfg.caches, trials=cfg.trials)
+                autocast=cfg.autocast, task_run=cfg.task_run, caches=cfg.caches,
+                trials=cfg.trials)
 
     def emit(backend: str, fields: dict[str, Any]) -> None:
         sink(BenchRecord(backend=backend, **base, **fields, env=env, time_unix=time.time()))
@@ -517,7 +602,7 @@ def _parse(argv: list[str] | None) -> tuple[TaskConfig, Path]:
     p.add_argument("--name", required=True)
     p.add_argument("--backends", required=True)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--mode", choices=("train", "eval"), default="train")
+    p.add_argument("--mode", choices=("train", "eval", "train-step"), default="train")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -527,13 +612,14 @@ def _parse(argv: list[str] | None) -> tuple[TaskConfig, Path]:
     p.add_argument("--no-recompile", action="store_true")
     p.add_argument("--ref-cache-bytes", type=int, default=None)
     p.add_argument("--interleave", action="store_true")
+    p.add_argument("--autocast", choices=("", *AUTOCAST), default="")
     p.add_argument("--out", required=True, type=Path)
     a = p.parse_args(argv)
     cfg = TaskConfig(spec=a.spec, name=a.name, backends=[b for b in a.backends.split(",") if b],
                      device=a.device, mode=a.mode, trials=a.trials, runs=a.runs, warmup=a.warmup,
                      seed=a.seed, task_run=a.task_run, caches=a.caches,
                      recompile=not a.no_recompile, ref_cache_bytes=a.ref_cache_bytes,
-                     interleave=a.interleave)
+                     interleave=a.interleave, autocast=a.autocast)
     return cfg, a.out
 
 
