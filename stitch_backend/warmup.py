@@ -2,7 +2,10 @@
 
 Each model is built on the current GPU, compiled with the backend and called once (the
 first call verifies the candidates on real inputs and stores the Program), so a later
-process starts warm. FILE takes the same forms as ``explain``.
+process starts warm. FILE takes the same forms as ``explain``. ``--training`` runs a
+training step as a training loop makes it (parameters require gradients, inputs do not:
+an input that did would give other graphs, and the cache entries would not be the ones
+the loop looks up); ``--autocast bf16|fp16`` runs the forward under ``torch.autocast``.
 """
 
 from __future__ import annotations
@@ -29,27 +32,32 @@ class WarmupRow:
     error: str | None = None
 
 
-def warm_one(spec: str, *, training: bool, device: str, seed: int = 0) -> WarmupRow:
-    """Compile and run one model once with the backend on ``device``."""
+def warm_one(spec: str, *, training: bool, device: str, seed: int = 0,
+             autocast: str = "", options: dict | None = None) -> WarmupRow:
+    """Compile and run one model once with the backend (``options``) on ``device``; a
+    training step with ``training``, the forward under ``autocast`` ("bf16"/"fp16")."""
     from .backend import StitchBackend
     from .bench.problems import load_problem
+    from .bench.worker import autocast as autocast_to
 
     t0 = time.perf_counter()
     problem = load_problem(spec)
     torch.manual_seed(seed)
     model = problem.make_model().to(device)
     inputs = [x.to(device) if isinstance(x, torch.Tensor) else x for x in problem.make_inputs()]
-    backend = StitchBackend()
+    backend = StitchBackend(options=options)
     compiled = torch.compile(model, backend=backend)
+    amp = autocast_to(torch.device(device), autocast)
     if training:
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                x.requires_grad_(True)
-        out = compiled(*inputs)
+        model.train()
+        with amp:
+            out = compiled(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        sum(o.float().sum() for o in outs if isinstance(o, torch.Tensor)).backward()
+        terms = [o.float().sum() for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        if terms:
+            sum(terms).backward()
     else:
-        with torch.no_grad():
+        with torch.no_grad(), amp:
             compiled(*inputs)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -69,7 +77,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser("warmup", help="compile, verify and cache models ahead of time")
     p.add_argument("files", nargs="+", metavar="FILE",
                    help="KernelBench-format .py files or package.module:factory")
-    p.add_argument("--training", action="store_true", help="also compile the backward graphs")
+    p.add_argument("--training", action="store_true",
+                   help="a training step: also compile the backward graphs")
+    p.add_argument("--autocast", choices=("bf16", "fp16"), default="",
+                   help="run the forward under torch.autocast to this dtype")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--device", default=None, help="default: cuda")
     p.set_defaults(func=run)
@@ -90,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     for spec in tqdm(args.files, desc="warmup", unit="model"):
         torch._dynamo.reset()
         try:
-            rows.append(warm_one(spec, training=args.training, device=device))
+            rows.append(warm_one(spec, training=args.training, device=device,
+                                 autocast=args.autocast))
         except Exception as err:  # noqa: BLE001 - one bad model costs one row
             rows.append(WarmupRow(spec, 0, 0, 0, 0, 0, None, 0.0,
                                   error=f"{type(err).__name__}: {err}"[:300]))

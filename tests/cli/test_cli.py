@@ -151,3 +151,34 @@ def test_warmup_table_on_cpu(capsys):
 def test_cache_subcommand_wired(capsys):
     assert main(["cache", "ls", "--json"]) == 0
     assert capsys.readouterr().out.strip().startswith("[")
+
+
+def test_training_warmup_makes_the_graphs_a_training_loop_looks_up(tmp_path):
+    """Parameters require gradients, inputs do not: an input that did would change the
+    forward and backward graphs, and the loop would miss every entry warmup stored."""
+    import torch
+
+    from stitch_backend.backend import StitchBackend
+    from stitch_backend.bench.problems import load_problem
+    from stitch_backend.examples import list_examples
+    from stitch_backend.warmup import warm_one
+
+    spec = str(list_examples()[0])
+    options = {"cpu_interpret": True, "require_speedup": False,
+               "cache_dir": str(tmp_path / "cache")}
+    for amp in ("", "bf16"):
+        torch._dynamo.reset()
+        row = warm_one(spec, training=True, device="cpu", autocast=amp, options=options)
+        assert row.error is None and row.graphs >= 2 and row.cached == 0
+        torch._dynamo.reset()
+        problem = load_problem(spec)
+        model = problem.make_model().train()
+        backend = StitchBackend(options=options)
+        compiled = torch.compile(model, backend=backend)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(amp)):
+            out = compiled(*problem.make_inputs())
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        sum(o.float().sum() for o in outs).backward()
+        stages = [rec.stage for rec in backend.records]
+        assert stages == ["forward", "backward"], stages
+        assert all(rec.cached for rec in backend.records), (amp, backend.report())
