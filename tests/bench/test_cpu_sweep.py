@@ -1,0 +1,59 @@
+"""The CPU sweep tool: KernelBench-format problems shrunk and run through the interpreter."""
+
+from __future__ import annotations
+
+import textwrap
+
+from stitch_backend.bench.cpu_sweep import main, shrink
+
+TOY = textwrap.dedent("""
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def __init__(self, features, groups):
+            super().__init__()
+            self.fc = nn.Linear(features, features)
+            self.norm = nn.GroupNorm(groups, features)
+
+        def forward(self, x):
+            return torch.softmax(self.norm(torch.relu(self.fc(x))) * 2.0, dim=-1)
+
+    batch_size = 128
+    features = 4096
+    num_groups = 64
+
+    def get_inputs():
+        return [torch.randn(batch_size, features)]
+
+    def get_init_inputs():
+        return [features, num_groups]
+""")
+
+BROKEN = TOY.replace("self.fc = nn.Linear(features, features)", "raise ValueError('no')")
+
+
+def test_shrink_rewrites_batch_sizes_and_groups_only():
+    text = shrink("batch_size = 128\nfeatures = 4096\nnum_groups = 64\nkernel_size = 3\n"
+                  "scale = 2.0\nheight = width = 224\n")
+    assert text.splitlines() == ["batch_size = 2", "features = 32", "num_groups = 8",
+                                 "kernel_size = 3", "scale = 2.0", "height = width = 32"]
+    assert "features = 4096" in shrink("features = 4096\n", sizes=False)
+
+
+def test_a_sweep_runs_training_steps_and_says_what_broke(tmp_path, capsys):
+    level = tmp_path / "level2"
+    level.mkdir()
+    (level / "1_Toy.py").write_text(TOY)
+    assert main([str(tmp_path), "2"]) == 0
+    out = capsys.readouterr().out
+    assert "level2/1_Toy: ok (" in out and "graphs f,b" in out and "1 of 1 ok" in out
+    kernels = int(out.split("ok (", 1)[1].split(" kernels", 1)[0])
+    assert kernels > 0
+    assert main([str(tmp_path), "2", "--autocast", "bf16", "--batches"]) == 0
+    out = capsys.readouterr().out
+    assert "f*" in out and "b*" in out, out
+    (level / "2_Broken.py").write_text(BROKEN)
+    assert main([str(tmp_path), "2", "--problems", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "level2/2_Broken: ERROR ValueError: no" in out and "0 of 1 ok" in out
