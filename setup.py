@@ -58,7 +58,7 @@ setup(
         # 2.11 is the GPU image's torch; the CPU CI machine uses 2.13.
         "torch>=2.11",
         "numpy",
-        "tqdm",
+        "tqdm>=4.60",   # progress bars with a delay
     ],
     extras_require={
         "test": ["pytest>=7", "openai>=1.0"],

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from stitch_backend import progress
 from stitch_backend.correctness import compare, run_fp64
 from stitch_backend.program import Program, Step
 from stitch_backend.regions import constant_inputs
@@ -60,12 +61,14 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
                       trajectory: Trajectory | None = None,
                       on_done: Callable[[Program], None] | None = None,
                       make_runner: Callable[[Any], Any] | None = None,
-                      extras: Callable[[Hotspots | None], None] | None = None) -> Any:
+                      extras: Callable[[Hotspots | None], None] | None = None,
+                      show_progress: bool = False) -> Any:
     """Measure ``program``'s regions on ATen for ``inputs`` (``hotspots``), let ``extras``
     add candidates knowing those times (the LLM Coder), then run it on ATen once more,
     verify and install its pending candidates, check the whole Program, and return the
     ATen outputs. ``make_runner(candidate)`` builds the callable that runs a candidate
-    (default: load its cubin on the GPU)."""
+    (default: load its cubin on the GPU). ``show_progress``: a progress bar over the
+    regions judged (on a terminal, when it takes a while)."""
     from stitch_backend.kernels import runner_for
 
     make_runner = make_runner or runner_for
@@ -82,6 +85,12 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         cand = pending.get(step.region.id)
         if cand is None:
             return
+        try:
+            judge(step, step_inputs, outs, cand)
+        finally:
+            shown.update()
+
+    def judge(step: Step, step_inputs: list[Any], outs: Sequence[Any], cand: Candidate) -> None:
         best: tuple[Any, Verdict] | None = None
         own: Verdict | None = None
         others: list[str] = []
@@ -105,7 +114,9 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
             verdicts[step.region.id] = own
 
     before = _RngState()
-    reference = program.run_inputs(inputs, observe=observe)
+    with progress.bar(len(pending), f"verifying {program.plan.graph_name}", "region",
+                      enabled=show_progress) as shown:
+        reference = program.run_inputs(inputs, observe=observe)
     after = _RngState()
 
     for rid, verdict in verdicts.items():

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from stitch_backend import progress
 from stitch_backend.logs import warn_once
 
 from .hotspots import Hotspots
@@ -116,11 +117,16 @@ def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int
         return {}
 
     def one(rid: int) -> tuple[int, list[Candidate]]:
-        return rid, coder.run(subtasks[rid], templates[rid], evaluate)
+        try:
+            return rid, coder.run(subtasks[rid], templates[rid], evaluate)
+        finally:
+            shown.update()
 
     # submitted in ``order``: with more regions than workers, the first ones start first
-    with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_REGIONS, len(order)),
-                            thread_name_prefix="stitchcuda-llm") as pool:
+    with progress.bar(len(order), f"LLM Coder on {task.graph}", "region",
+                      enabled=cfg.progress) as shown, ThreadPoolExecutor(
+            max_workers=min(MAX_PARALLEL_REGIONS, len(order)),
+            thread_name_prefix="stitchcuda-llm") as pool:
         results = list(pool.map(one, order))
     extras = {rid: cands for rid, cands in results if cands}
     for rid, cands in extras.items():

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch.fx
 
+from stitch_backend import progress
 from stitch_backend.ir import Plan, RegionKind
 from stitch_backend.logs import OUTPUT_CODE
 
@@ -85,7 +86,10 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     built = [c for c in proposals if c.kernels]
     jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
             for c in built + alternatives]
-    compiled = compile_many(jobs, max_workers=workers or None) if jobs else []
+    with progress.bar(len(jobs), f"compiling {task.graph}", "kernel",
+                      enabled=cfg.progress) as shown:
+        compiled = compile_many(jobs, max_workers=workers or None,
+                                on_done=shown.update) if jobs else []
     by_cand = {id(c): r for c, r in zip(built, compiled)}
     results = [by_cand.get(id(c)) for c in proposals]   # None: nothing to build
     alt_results = compiled[len(built):]

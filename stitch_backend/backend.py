@@ -411,6 +411,7 @@ class StitchBackend:
         verifier = Verifier(VerifySettings(require_speedup=self.config.require_speedup,
                                            graph_timing=graph_timing))
         return functools.partial(verify_first_call, verifier=verifier,
+                                 show_progress=self.config.progress,
                                  make_runner=functools.partial(runner_for, base=base), **kw)
 
     @staticmethod

@@ -124,6 +124,12 @@ class Config:
         metadata=_meta("STITCHCUDA_MAX_ATTEMPTS", True,
                        "Coder/Verifier iterations per region before it stays on ATen."),
     )
+    progress: bool = field(
+        default=True,
+        metadata=_meta("STITCHCUDA_PROGRESS", False,
+                       "Progress bars on a terminal for steps that run over 2 s (compiling "
+                       "candidates, the LLM Coder, verifying at the first call)."),
+    )
     compile_workers: int = field(
         default=0,
         metadata=_meta("STITCHCUDA_COMPILE_WORKERS", False,

@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 log = logging.getLogger("stitch_backend.toolchain")
 output_code_log = logging.getLogger("stitch_backend.output_code")
@@ -339,8 +339,10 @@ def compile_cubin(
     return kernel
 
 
-def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None) -> list[CompiledKernel | CompileError]:
-    """Compile ``jobs`` in parallel (threads running nvcc processes), results in job order.
+def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None,
+                 on_done: Callable[[], None] | None = None) -> list[CompiledKernel | CompileError]:
+    """Compile ``jobs`` in parallel (threads running nvcc processes), results in job order;
+    ``on_done()`` is called as each job finishes (a progress bar).
 
     A job that fails to compile yields its ``CompileError`` in its slot instead of
     raising, so one bad candidate does not hide the others. Any other error (nvcc
@@ -355,6 +357,9 @@ def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None) -> 
             )
         except CompileError as e:
             return e
+        finally:
+            if on_done is not None:
+                on_done()
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stitchcuda-nvcc") as pool:
         return list(pool.map(one, jobs))

@@ -229,7 +229,7 @@ def test_the_library_only_candidate_compiles_nothing(monkeypatch):
         torch.compile(Linear(lambda y: y, tail=False), backend=backend)(torch.randn(16, 32))
     (rec,) = backend.records
     jobs = []
-    monkeypatch.setattr(toolchain, "compile_many", lambda js, max_workers=None: jobs.extend(js) or [])
+    monkeypatch.setattr(toolchain, "compile_many", lambda js, max_workers=None, on_done=None: jobs.extend(js) or [])
     impl = implement(Task(graph="g", key="k", arch="sm_90a", device="cuda"), rec.gm, rec.plan,
                      arch="sm_90a")
     assert jobs == []

@@ -262,7 +262,7 @@ def test_an_alternative_that_does_not_compile_is_reported(monkeypatch):
 
     rec = _graph(ConvBN().train(), torch.randn(2, 3, 64, 64))
 
-    def fake_compile_many(jobs, max_workers=None):
+    def fake_compile_many(jobs, max_workers=None, on_done=None):
         # proposals first, then the alternatives (ConvBN has one training BatchNorm: its
         # two-pass and single-pass splits); the single-pass one, last, fails
         return [toolchain.CompiledKernel(job.name, job.arch, b"\x7fELF", "", 0.0, ["nvcc"])
