@@ -38,7 +38,7 @@ def warm_one(spec: str, *, training: bool, device: str, seed: int = 0,
     training step with ``training``, the forward under ``autocast`` ("bf16"/"fp16")."""
     from .backend import StitchBackend
     from .bench.problems import load_problem
-    from .bench.worker import autocast as autocast_to
+    from .bench.steps import autocast as autocast_to
 
     t0 = time.perf_counter()
     problem = load_problem(spec)

@@ -41,7 +41,7 @@ import torch
 
 from ..correctness import compare
 from .problems import select_kernelbench
-from .worker import AUTOCAST, LossWeights, autocast, training_step
+from .steps import AUTOCAST, LossWeights, autocast, training_step
 
 _SIZE_NAME = re.compile(r"(height|width|depth|length|seq|dim|size|features|channels|hidden|"
                         r"embed|len|_h$|_w$|_d$|^[hwdnmkl]$|^[MNK]$)", re.I)
