@@ -1,14 +1,21 @@
 """Peak memory of a Program's intermediate values, worked out from the traced graph.
 
-The Program frees every intermediate after the last step that reads it (program.py), and
-torch's caching allocator reuses the freed blocks, so its peak is set by which values
+The Program runs as one straight-line function (program.py): the ops of a region left on
+ATen inlined, each generated region one call, every value freed after its last reader;
+torch's caching allocator reuses the freed blocks, so the peak is set by which values
 are alive at once. This module computes that peak without running anything, twice:
 
 - the graph as traced, op by op, each value freed after its last use (what eager's
   order of operations needs; views and multi-output ops keep their base alive);
-- the Program, region by region: a generated kernel materialises only its region's
-  outputs (a library call's output too, ahead of its epilogue kernel), an ATen region
-  every value inside it, and a region's outputs live until the last region reading them.
+- the Program, in its regions' order: an ATen region's ops as op by op; a generated
+  kernel materialises only its region's outputs and holds its inputs until it returns;
+  a region with a library call (a GEMM or convolution ahead of an epilogue kernel)
+  materialises that call's output too, and drops a value after the last stage reading
+  it (``kernels``' ``call_boxed``): a convolution's input is gone before its epilogue
+  writes the output.
+
+The first call runs the Program step by step for the Verifier (a region's values then
+live until its step ends), so its peak can be higher than this estimate.
 
 Inputs (parameters included) are not counted: they exist before the call. Symbolic
 sizes count at the traced example's sizes; a data-dependent size (nonzero's output) has
@@ -103,21 +110,22 @@ def estimate(gm: torch.fx.GraphModule, plan: Plan) -> MemoryEstimate:
             start += len(region.nodes)
             for x in region.nodes:
                 region_end[x] = start - 1
-        program_bytes = _walk(nodes, order, _materialised(gm, plan) & computed, region_end)
+        kept, held = _materialised(gm, plan)
+        program_bytes = _walk(nodes, order, kept & computed, region_end, held)
     except _Symbolic as err:
         return MemoryEstimate(None, None, str(err))
     return MemoryEstimate(program_bytes, graph_bytes)
 
 
 def _walk(nodes: list[torch.fx.Node], order: list[str], materialised: set[str],
-          region_end: dict[str, int] | None) -> int:
+          region_end: dict[str, int] | None, held: frozenset[str] = frozenset()) -> int:
     """Peak of live bytes running ``order``: each materialised value is allocated at its
     position and freed after its storage's last reader (never, for the graph's
     outputs). An alias of a materialised value shares its storage; an alias of a value
     a kernel never wrote (a view at a fused region's boundary) is written whole.
-    With ``region_end``, a value read across regions, or read inside a generated
-    kernel, lives until the reading region ends (the Program frees slots between
-    steps; a kernel reads its inputs while it writes its outputs)."""
+    A value read by a ``held`` node (inside a generated kernel) lives until that
+    node's region ends (``region_end``): a kernel reads its inputs while it writes its
+    outputs."""
     index = {name: i for i, name in enumerate(order)}
     by_name = {n.name: n for n in nodes}
     root: dict[str, str] = {}
@@ -139,9 +147,8 @@ def _walk(nodes: list[torch.fx.Node], order: list[str], materialised: set[str],
             continue
         for inp in n.all_input_nodes:
             t = index[n.name]
-            if region_end is not None and (region_end.get(inp.name) != region_end[n.name]
-                                           or n.name not in materialised):
-                t = region_end[n.name]     # read by another step, or inside a kernel
+            if region_end is not None and n.name in held:
+                t = region_end[n.name]     # read inside a kernel
             r = root[inp.name]
             last[r] = max(last.get(r, -1), t)
     frees: dict[int, list[str]] = {}
@@ -157,20 +164,24 @@ def _walk(nodes: list[torch.fx.Node], order: list[str], materialised: set[str],
     return peak
 
 
-def _materialised(gm: torch.fx.GraphModule, plan: Plan) -> set[str]:
+def _materialised(gm: torch.fx.GraphModule, plan: Plan) -> tuple[set[str], frozenset[str]]:
     """Node names whose values exist when the Program runs: every node of an ATen
     region; a generated kernel region's outputs (and a library call's own output
-    ahead of its epilogue kernel)."""
+    ahead of its epilogue kernel). And the nodes that run inside a generated kernel
+    (every node of a generated region but its library call)."""
     kept: set[str] = set()
+    held: set[str] = set()
     nodes = {n.name: n for n in gm.graph.nodes}
     for region in plan.regions:
         if region.backend != "kernel":
             kept.update(region.nodes)
             continue
         kept.update(region.outputs)
+        anchor = None
         if region.kind in (RegionKind.GEMM, RegionKind.CONV):
             anchor = next((x for x in region.nodes if nodes[x].op == "call_function"
                            and not _is_alias(nodes[x])), None)
             if anchor is not None:
                 kept.add(anchor)
-    return kept
+        held.update(x for x in region.nodes if x != anchor)
+    return kept, frozenset(held)

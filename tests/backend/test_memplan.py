@@ -55,9 +55,10 @@ def test_views_keep_their_base_and_a_kernel_writes_a_boundary_view_whole():
     assert estimate(gm, plan).program_bytes == V   # the output written whole by the kernel
 
 
-def test_step_level_frees_can_raise_the_peak_and_the_line_flags_it():
-    """x is read by the first node of an ATen region that then allocates more: op by op
-    x dies early; the Program frees it only after the whole step."""
+def test_aten_regions_free_op_by_op_as_the_straight_line_function_does():
+    """x is read by the first node of an ATen region that then allocates more: the
+    straight-line function inlines the region's ops, so a dies after its last reader
+    as in the graph, not when the region ends."""
     def f(x):
         a = x * 2.0
         b = a + 1.0            # last reader of a
@@ -71,9 +72,47 @@ def test_step_level_frees_can_raise_the_peak_and_the_line_flags_it():
                       Region(1, RegionKind.FALLBACK, names[1:], ["aten.add.Tensor"] * 3,
                              inputs=names[:1], outputs=names[-1:])], len(names))
     est = estimate(gm, plan)
-    assert est.graph_bytes == 2 * V
-    assert est.program_bytes == 3 * V      # a, b and c alive: a is freed after step 1 ends
-    assert est.line().endswith("50% above it")
+    assert est.graph_bytes == est.program_bytes == 2 * V
+
+
+def test_a_kernel_writing_two_outputs_at_once_raises_the_peak_and_the_line_flags_it():
+    """Op by op, a is summed and freed before b exists; a kernel writing both holds
+    them at once."""
+    def f(x):
+        a = x * 2.0
+        s = a.sum()
+        b = x * 3.0
+        t = b.sum()
+        return (s, t)
+
+    gm = make_fx(f)(torch.randn(N))
+    a, s, b, t = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    plan = Plan("g", [Region(0, RegionKind.FUSED, [a, b], ["aten.mul.Tensor"] * 2, outputs=[a, b]),
+                      Region(1, RegionKind.FALLBACK, [s, t], ["aten.sum.default"] * 2,
+                             inputs=[a, b], outputs=[s, t])], 4)
+    plan.regions[0].backend = "kernel"
+    est = estimate(gm, plan)
+    assert est.graph_bytes == V + 8            # b beside the two scalar outputs
+    assert est.program_bytes == 2 * V + 4      # a and b, then s
+    assert est.line().endswith("100% above it")
+
+
+def test_a_library_calls_input_is_dropped_before_its_epilogue_writes():
+    """A GEMM region (mm, then relu in an epilogue kernel): its runner frees the
+    product's input after the product, so y, m and r are never alive together."""
+    def f(x, w):
+        y = x * 2.0
+        m = y @ w
+        return (torch.relu(m),)
+
+    gm = make_fx(f)(torch.randn(256, 256), torch.randn(256, 256))
+    y, m, r = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    plan = Plan("g", [Region(0, RegionKind.FALLBACK, [y], ["aten.mul.Tensor"], outputs=[y]),
+                      Region(1, RegionKind.GEMM, [m, r], ["aten.mm.default", "aten.relu.default"],
+                             inputs=[y], outputs=[r])], 3)
+    plan.regions[1].backend = "kernel"
+    est = estimate(gm, plan)
+    assert est.graph_bytes == est.program_bytes == 2 * V
 
 
 def test_symbolic_sizes_count_at_the_example_and_data_dependent_ones_are_not_guessed():
