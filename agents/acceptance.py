@@ -25,6 +25,7 @@ import torch
 
 from stitch_backend import progress
 from stitch_backend.correctness import compare, flatten_outputs, run_fp64
+from stitch_backend.memplan import FLAG_RATIO, within_margin
 from stitch_backend.program import Program, Step
 from stitch_backend.regions import constant_inputs
 
@@ -126,6 +127,7 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         region.time_ms = verdict.candidate_ms
         if not verdict.ok:
             region.reason = f"candidate rejected: {verdict.reason}"
+    _within_memory_margin(program, accepted)
     if accepted:
         for rid, runner in accepted.items():
             program.step_of(rid).fn = runner
@@ -167,6 +169,29 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         with _untrusted_stored_as_aten(program, accepted):
             on_done(program)
     return reference
+
+
+def _within_memory_margin(program: Program, accepted: dict[int, Any]) -> None:
+    """Drops from ``accepted`` the kernels that would put the Program's estimated peak
+    memory more than ``memplan.FLAG_RATIO`` above the graph's op by op (the documented
+    margin), each with the reason, and says so in the notes."""
+    if not accepted:
+        return
+    installed = {s.region.id for s in program.generated_steps()}
+    dropped, est = within_margin(program.graph_module, program.plan, set(accepted) | installed)
+    dropped = [rid for rid in dropped if rid in accepted]
+    if not dropped:
+        return
+    margin = f"{100 * (FLAG_RATIO - 1):.0f}%"
+    for rid in dropped:
+        accepted.pop(rid)
+        program.step_of(rid).region.reason = (
+            f"kept on ATen for memory: its kernel (correct) would hold the Program's "
+            f"estimated peak more than {margin} above the graph's op by op")
+    now = f"{100 * (est.ratio - 1):+.0f}%" if est.ratio is not None else "not estimated"
+    program.notes_sink.append(
+        f"memory: {len(dropped)} region(s) kept on ATen for the documented margin: the "
+        f"estimated peak {margin} at most above the graph's (now {now})")
 
 
 def _without_unused(program: Program, got: list[Any], reference: Any) -> list[Any]:

@@ -33,7 +33,8 @@ import torch
 from .ir import Plan, RegionKind
 from .opclass import OpClass, classify
 
-#: above this ratio the report flags the Program's peak against the traced graph's
+#: the documented margin: a Program's estimated peak stays within this ratio of the
+#: traced graph's (``within_margin``), and the report flags any estimate above it
 FLAG_RATIO = 1.10
 
 
@@ -115,6 +116,43 @@ def estimate(gm: torch.fx.GraphModule, plan: Plan) -> MemoryEstimate:
     except _Symbolic as err:
         return MemoryEstimate(None, None, str(err))
     return MemoryEstimate(program_bytes, graph_bytes)
+
+
+def within_margin(gm: torch.fx.GraphModule, plan: Plan,
+                  generated: set[int]) -> tuple[list[int], MemoryEstimate]:
+    """Which of the ``generated`` regions (ids, run as kernels) go back to ATen so that the
+    Program's estimated peak is within ``FLAG_RATIO`` of the graph's, and the estimate
+    then: regions are tried largest outputs first, each kept on ATen only where that
+    lowers the peak, until the peak is within the margin. ``plan``'s regions are left as
+    they were."""
+    saved = {r.id: r.backend for r in plan.regions}
+    by_id = {r.id: r for r in plan.regions}
+    try:
+        for r in plan.regions:
+            r.backend = "kernel" if r.id in generated else "aten"
+        est = estimate(gm, plan)
+        dropped: list[int] = []
+        if est.ratio is None or est.ratio <= FLAG_RATIO:
+            return dropped, est
+        meta = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+        order = sorted(generated, key=lambda rid: -sum(
+            _bytes(meta.get(x), x) for x in by_id[rid].outputs))
+        for rid in order:
+            by_id[rid].backend = "aten"
+            trial = estimate(gm, plan)
+            if trial.program_bytes is not None and trial.program_bytes < est.program_bytes:
+                dropped.append(rid)
+                est = trial
+                if trial.ratio is not None and trial.ratio <= FLAG_RATIO:
+                    break
+            else:
+                by_id[rid].backend = "kernel"
+        return dropped, est
+    except _Symbolic as err:
+        return [], MemoryEstimate(None, None, str(err))
+    finally:
+        for r in plan.regions:
+            r.backend = saved[r.id]
 
 
 def _walk(nodes: list[torch.fx.Node], order: list[str], materialised: set[str],

@@ -75,9 +75,9 @@ def test_aten_regions_free_op_by_op_as_the_straight_line_function_does():
     assert est.graph_bytes == est.program_bytes == 2 * V
 
 
-def test_a_kernel_writing_two_outputs_at_once_raises_the_peak_and_the_line_flags_it():
-    """Op by op, a is summed and freed before b exists; a kernel writing both holds
-    them at once."""
+def test_regions_that_reorder_ops_can_raise_the_peak_and_the_line_flags_it():
+    """Op by op, a is summed and freed before b exists; a region computing both first
+    holds them at once."""
     def f(x):
         a = x * 2.0
         s = a.sum()
@@ -138,3 +138,54 @@ def test_backend_report_and_json_carry_the_estimate():
     memory = rec.to_dict()["memory"]
     assert memory["program_bytes"] == memory["graph_bytes"] > 0
     assert "  memory plan: intermediates and outputs peak at" in backend.report()
+
+
+def _held_input_plan():
+    """y (region 0, ATen), then a kernel region writing o1 = y * 2 (y's last reader) and
+    o2 = o1 * 3, both read by region 2: op by op y dies once o1 exists; the kernel holds
+    y until it returns, beside both of its outputs."""
+    def f(x):
+        y = x + 1.0
+        o1 = y * 2.0
+        o2 = o1 * 3.0
+        return (o1.sum(), o2.sum())
+
+    gm = make_fx(f)(torch.randn(N))
+    x = next(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    y, o1, o2, s, t = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    plan = Plan("g", [Region(0, RegionKind.FALLBACK, [y], ["aten.add.Tensor"], inputs=[x], outputs=[y]),
+                      Region(1, RegionKind.FUSED, [o1, o2], ["aten.mul.Tensor"] * 2,
+                             inputs=[y], outputs=[o1, o2]),
+                      Region(2, RegionKind.FALLBACK, [s, t], ["aten.sum.default"] * 2,
+                             inputs=[o1, o2], outputs=[s, t])], 5)
+    return gm, plan
+
+
+def test_within_margin_keeps_on_aten_the_kernel_that_raises_the_peak():
+    from stitch_backend.memplan import within_margin
+
+    gm, plan = _held_input_plan()
+    plan.regions[1].backend = "kernel"
+    assert estimate(gm, plan).program_bytes == 3 * V      # y, o1 and o2
+    plan.regions[1].backend = "aten"
+    dropped, est = within_margin(gm, plan, {1})
+    assert dropped == [1]
+    assert est.program_bytes == est.graph_bytes == 2 * V + 4     # o1, o2 and a sum
+    assert [r.backend for r in plan.regions] == ["aten"] * 3     # the plan left as it was
+    gm2 = make_fx(_chain)(torch.randn(N))
+    plan2 = partition(gm2, graph_name="g")
+    assert within_margin(gm2, plan2, {plan2.regions[0].id})[0] == []   # lowers the peak: kept
+
+
+def test_the_first_call_drops_a_kernel_over_the_margin_with_its_reason():
+    from stitch_backend.agents.acceptance import _within_memory_margin
+    from stitch_backend.program import Program
+
+    gm, plan = _held_input_plan()
+    program = Program(gm, plan)
+    accepted = {1: object()}
+    _within_memory_margin(program, accepted)
+    assert accepted == {}
+    assert plan.regions[1].reason.startswith("kept on ATen for memory")
+    assert any(n.startswith("memory: 1 region(s) kept on ATen") and "now +0%" in n
+               for n in program.notes_sink), program.notes_sink
