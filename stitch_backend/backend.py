@@ -59,6 +59,9 @@ class GraphRecord:
     # Inputs AOTAutograd saw mutated (None: unknown); more than the Program's writebacks
     # means AOTAutograd applies some outside the graph.
     aot_mutations: int | None = None
+    # Which of the backend's Dynamo graphs this ATen graph came from (its forward and
+    # backward share it); -1 when compiled outside one.
+    dynamo_graph: int = -1
 
     @property
     def name(self) -> str:
@@ -118,29 +121,35 @@ class StitchBackend:
         from torch._dynamo.backends.common import aot_autograd
 
         self.dynamo_graphs += 1
+        dynamo_graph = self.dynamo_graphs
         compile_stage = functools.partial
         aot = aot_autograd(
-            fw_compiler=compile_stage(self._compile, "forward"),
-            bw_compiler=compile_stage(self._compile, "backward"),
-            inference_compiler=compile_stage(self._compile, "inference"),
+            fw_compiler=compile_stage(self._compile, "forward", dynamo_graph=dynamo_graph),
+            bw_compiler=compile_stage(self._compile, "backward", dynamo_graph=dynamo_graph),
+            inference_compiler=compile_stage(self._compile, "inference",
+                                             dynamo_graph=dynamo_graph),
             decompositions=decomposition_table(),
             # Input mutations (BatchNorm's running statistics) stay in the graph, so the
             # Program writes them back itself: one launch per dtype, inside the CUDA graph
             # when replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
             keep_inference_input_mutations=True,
         )
-        first = len(self.records)
         compiled = aot(gm, example_inputs)
-        return self._guarded(gm, compiled, self.records[first:])
+        return self._guarded(gm, compiled, dynamo_graph)
 
     def _guarded(self, gm: torch.fx.GraphModule, compiled: Callable,
-                 records: list[GraphRecord]) -> Callable:
+                 dynamo_graph: int) -> Callable:
         """``compiled``, or an EagerGuard that times it against ``gm`` as traced (eager,
         undecomposed) once its Programs have settled and keeps the faster."""
         from . import eager_guard
 
         if not self.config.eager_guard:
             return compiled
+
+        def of_this_graph() -> list[GraphRecord]:
+            return [r for r in self.records if r.dynamo_graph == dynamo_graph]
+
+        records = of_this_graph()
         why = eager_guard.ineligible(records)
         if why is not None:
             log.debug("eager guard off for %s: %s", [r.name for r in records], why)
@@ -148,13 +157,15 @@ class StitchBackend:
                 for rec in records:   # where it would have run: the report says why not
                     rec.notes.append(f"eager guard off: {why}")
             return compiled
-        return eager_guard.EagerGuard(gm, compiled, records)
+        return eager_guard.EagerGuard(gm, compiled, of_this_graph)
 
-    def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+    def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
+                 dynamo_graph: int = -1) -> Callable:
         try:
             with gc_pause.paused():
                 functional, writebacks = strip_input_mutations(gm)
-                return self._compile_graph(stage, functional, example_inputs, writebacks)
+                return self._compile_graph(stage, functional, example_inputs, writebacks,
+                                           dynamo_graph=dynamo_graph)
         except Exception as err:  # noqa: BLE001 - a backend bug must not break the model
             if isinstance(err, InvalidOptionError):
                 raise
@@ -167,7 +178,8 @@ class StitchBackend:
             return make_boxed_func(gm)  # as traced: its in-graph mutations included
 
     def _compile_graph(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
-                       writebacks: list[Writeback] | None = None) -> Program:
+                       writebacks: list[Writeback] | None = None,
+                       dynamo_graph: int = -1) -> Program:
         from stitch_backend.agents.planner import partition
 
         t0 = time.perf_counter()
@@ -186,7 +198,7 @@ class StitchBackend:
         key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
         record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
                              dynamic=dynamic, compile_ms=0.0, gm=gm,
-                             aot_mutations=aot_mutated_inputs())
+                             aot_mutations=aot_mutated_inputs(), dynamo_graph=dynamo_graph)
         notes = record.notes
         if layout is not None:
             notes.append(layout.note())

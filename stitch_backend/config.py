@@ -64,8 +64,9 @@ class Config:
     eager_guard: bool = field(
         default=True,
         metadata=_meta("STITCHCUDA_EAGER_GUARD", False,
-                       "Time each CUDA inference graph, once settled, against the graph as "
-                       "traced (eager, undecomposed) and run whichever is faster."),
+                       "Time each CUDA graph, once settled, against the graph as traced "
+                       "(eager, undecomposed; a training graph as a forward and backward "
+                       "step) and run whichever is faster."),
     )
     channels_last: bool | None = field(
         default=None,

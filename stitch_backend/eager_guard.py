@@ -3,15 +3,25 @@ its stitched Programs and timed against them once they have settled.
 
 Every region is verified faster than its ATen ops, and a Program that loses in context
 falls back to ATen (cudagraphs.py), but that ATen is the *decomposed* graph: softplus
-there is four kernels where eager runs one, cross-entropy six. So for a Dynamo graph
-whose ATen graphs are all inference graphs on CUDA, the guard also times the graph as
-Dynamo traced it (undecomposed, eager) on the user's first real inputs, once the
+there is four kernels where eager runs one, cross-entropy six, BatchNorm's backward
+about ten. So for a Dynamo graph whose ATen graphs are on CUDA, the guard also times the
+graph as Dynamo traced it (undecomposed, eager) on the user's first real inputs, once the
 Programs are verified and their replay decided; when that is faster, the graph runs
 as written from then on, said in each record's notes and regions. The timing calls
 both ways more than once: the inputs a graph mutates (BatchNorm's running statistics)
 are saved before and restored after them, so the user's call applies its update once;
 graphs that draw random numbers are left alone, as are graphs with symbolic sizes (one
 shape's timing would decide for all).
+
+A training graph (forward and backward) is timed as a step: the forward, then
+``torch.autograd.grad`` of its outputs (weighted by ones) with respect to the inputs that
+require gradients (the parameters, as Dynamo passes them). That computes every gradient
+the user's backward would and accumulates none: no ``.grad`` is touched (tensor hooks
+registered on those inputs do see the timing's gradients). It waits for the backward
+graph, which compiles at the user's first backward, and is decided on the first call
+after it has settled. On the H200, L3 ResNet18's training step ran 0.61x eager's
+(batch 2: BatchNorm's decomposed backward in four generated kernels per layer against
+cuDNN's one, and the host time of ~170 more launches), with no guard to catch it.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import cudagraphs
+from .correctness import flatten_outputs
 from .mutations import nbytes, restored
 from .opclass import OpClass, classify
 
@@ -43,17 +54,16 @@ def ineligible(records: Sequence[Any]) -> str | None:
     if not records:
         return "no stitched graph"
     for rec in records:
-        if rec.stage != "inference":
-            return "training graphs (forward and backward) are not timed against eager"
         if rec.device not in DEVICES:
             return f"inputs are on {rec.device}"
         if rec.dynamic:
             return "symbolic sizes: one shape's timing would decide for every shape"
         if rec.program is None:
             return "no Program"
-        if rec.aot_mutations is None:
+        # (a backward mutates nothing; AOTAutograd's metadata there is its forward's)
+        if rec.stage != "backward" and rec.aot_mutations is None:
             return "AOTAutograd's input mutations are unknown: timing calls could repeat them"
-        if rec.aot_mutations != len(rec.program.writebacks):
+        if rec.stage != "backward" and rec.aot_mutations != len(rec.program.writebacks):
             return ("AOTAutograd applies some input mutations outside the graph: timing calls "
                     "could not undo them")
         if rec.gm is not None and any(n.op == "call_function" and classify(n) is OpClass.RANDOM
@@ -67,18 +77,33 @@ class EagerGuard:
     Programs have settled, then times it against ``eager`` once and keeps the faster."""
 
     def __init__(self, eager: Callable[..., Any], compiled: Callable[..., Any],
-                 records: Sequence[Any]):
+                 records: Sequence[Any] | Callable[[], Sequence[Any]]):
+        """``records``: the Dynamo graph's ATen graphs, or a function returning them as
+        they are now (a training graph's backward record appears at its first backward)."""
         self.eager = eager
         self.compiled = compiled
-        self.records = list(records)
+        self._records = records if callable(records) else (lambda fixed=list(records): fixed)
         self.calls = 0
         self.choice: Callable[..., Any] | None = None
+
+    @property
+    def records(self) -> list[Any]:
+        return list(self._records())
+
+    @property
+    def training(self) -> bool:
+        return any(rec.stage != "inference" for rec in self.records)
 
     def __call__(self, *args: Any) -> Any:
         if self.choice is not None:
             return self.choice(*args)
         self.calls += 1
         if self.calls < LATEST_CALL and not self._settled():
+            return self.compiled(*args)
+        why = ineligible(self.records)
+        if why is not None:   # a backward compiled since the forward was found eligible
+            self._note(f"eager guard off: {why}")
+            self.choice = self.compiled
             return self.compiled(*args)
         # This call's own run, watched for the inputs it mutates; then the timing.
         targets: list[torch.Tensor] = []
@@ -100,8 +125,12 @@ class EagerGuard:
             rec.program.seen_targets = targets
 
     def _settled(self) -> bool:
-        """Verification done and CUDA graph replay decided for every Program."""
-        for rec in self.records:
+        """Verification done and CUDA graph replay decided for every Program (a training
+        graph's backward included)."""
+        records = self.records
+        if self.training and not any(rec.stage == "backward" for rec in records):
+            return False
+        for rec in records:
             program = rec.program
             if program.pending:
                 return False
@@ -142,14 +171,30 @@ class EagerGuard:
             self._note(f"eager guard: not timed, {saved_bytes / 2**20:.0f} MiB of mutated "
                        "inputs would have to be saved and restored; the stitched graph is kept")
             return self.compiled
+        what = "wall clock"
+        stitched_call: Callable[[], Any] = lambda: self.compiled(*args)  # noqa: E731
+        eager_call: Callable[[], Any] = lambda: self.eager(*args)  # noqa: E731
+        if self.training:
+            if not any(rec.stage == "backward" for rec in self.records):
+                self._note("eager guard: not timed, no backward has run by call "
+                           f"{self.calls}; the stitched graph is kept")
+                return self.compiled
+            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if not wrt:
+                self._note("eager guard: not timed, no input requires a gradient; the "
+                           "stitched graph is kept")
+                return self.compiled
+            stitched_call = lambda: _step(self.compiled, args, wrt)  # noqa: E731
+            eager_call = lambda: _step(self.eager, args, wrt)  # noqa: E731
+            what = "a forward and backward each, wall clock"
         stitched_ms, eager_ms = [], []
         with restored(targets):
             for _ in range(2):  # interleaved, so a clock or load drift hits both
-                stitched_ms.append(cudagraphs.wall_ms(lambda: self.compiled(*args)))
-                eager_ms.append(cudagraphs.wall_ms(lambda: self.eager(*args)))
+                stitched_ms.append(cudagraphs.wall_ms(stitched_call))
+                eager_ms.append(cudagraphs.wall_ms(eager_call))
         stitched, eager = min(stitched_ms), min(eager_ms)
         timing = (f"{stitched:.3f} ms stitched vs {eager:.3f} ms for the graph as traced "
-                  "(eager, undecomposed; wall clock, best of two medians of 5)")
+                  f"(eager, undecomposed; {what}, best of two medians of 5)")
         if eager < stitched * (1 - MARGIN):
             self._run_as_traced("the graph runs as Dynamo traced it (eager, undecomposed), "
                                 f"which was faster than its stitched Program: {timing}")
@@ -160,3 +205,15 @@ class EagerGuard:
     def _note(self, text: str) -> None:
         for rec in self.records:
             rec.notes.append(text)
+
+
+def _step(fn: Callable[..., Any], args: Sequence[Any], wrt: list[torch.Tensor]) -> None:
+    """A training step's work without its side effects: ``fn``'s forward, then the
+    gradients of its outputs (weighted by ones) with respect to ``wrt``, returned by
+    ``torch.autograd.grad`` and dropped (nothing accumulates into ``.grad``)."""
+    with torch.enable_grad():
+        outs = [o for o in flatten_outputs(fn(*args))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if outs:
+            torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs],
+                                allow_unused=True)

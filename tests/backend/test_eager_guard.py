@@ -1,5 +1,6 @@
-"""The eager guard: a settled inference graph is timed against the graph as Dynamo traced
-it, and the faster one runs from then on, said in the report."""
+"""The eager guard: a settled graph (inference, or a training graph's forward and
+backward as one step) is timed against the graph as Dynamo traced it, and the faster one
+runs from then on, said in the report."""
 
 from __future__ import annotations
 
@@ -149,7 +150,7 @@ def test_ineligible_graphs_say_why(monkeypatch):
     assert eager_guard.ineligible(_records(BatchNormTrain(), x)) is None  # saved, restored
     assert "random numbers" in eager_guard.ineligible(_records(Dropout(), x))
     lin = torch.nn.Linear(8, 8)
-    assert "training graphs" in eager_guard.ineligible(_records(lin, x, grad=True))
+    assert eager_guard.ineligible(_records(lin, x, grad=True)) is None   # training: a step
     (rec,) = _records(BatchNormTrain(), x)
     rec.aot_mutations = None
     assert "mutations are unknown" in eager_guard.ineligible([rec])
@@ -193,6 +194,69 @@ def test_mutated_inputs_are_updated_once_per_call(guard_on_cpu, timings, traced)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(getattr(model.bn, name), getattr(reference.bn, name))
     assert int(model.bn.num_batches_tracked) == 5
+
+
+class ConvBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.nn.functional.softplus(self.bn(self.conv(x))) * 2
+
+
+def _train(options, timings_seen=None, steps=4, backward=True, device="cpu"):
+    """``steps`` training steps of ConvBN compiled with ``options`` beside an eager twin:
+    outputs, every gradient and the running statistics equal eager's after each step."""
+    torch.manual_seed(0)
+    model, reference = ConvBN().to(device), ConvBN().to(device)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3, 8, 8, device=device)
+    backend = StitchBackend(options=options)
+    compiled = torch.compile(model, backend=backend)
+    for step in range(steps):
+        for m in (model, reference):
+            m.zero_grad(set_to_none=True)
+        out, want = compiled(x), reference(x)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        if timings_seen is not None and step == 0:
+            assert not timings_seen            # nothing timed before the backward ran
+        if backward:
+            out.sum().backward()
+            want.sum().backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.bn.running_mean, reference.bn.running_mean)
+    torch.testing.assert_close(model.bn.running_var, reference.bn.running_var)
+    assert int(model.bn.num_batches_tracked) == steps
+    return backend
+
+
+@pytest.mark.parametrize("timings,traced", [([2.0, 1.0, 2.0, 1.0], True),
+                                            ([1.0, 2.0, 1.0, 2.0], False)])
+def test_a_training_graph_is_timed_as_a_step_once_its_backward_settled(
+        guard_on_cpu, timings, traced):
+    """Forward and backward: decided at the second call (after the first backward),
+    each timing a forward plus autograd.grad; the user's gradients, outputs and running
+    statistics stay eager's whichever way it goes (no timing gradient accumulates)."""
+    scripted, seen = guard_on_cpu
+    scripted += timings
+    backend = _train(ON, seen)
+    assert len(seen) == 4 and not scripted
+    stages = sorted(r.stage for r in backend.records)
+    assert stages == ["backward", "forward"]
+    assert all(r.runs_as_traced is traced for r in backend.records)
+    forward = next(r for r in backend.records if r.stage == "forward")
+    assert any("a forward and backward each" in n for n in forward.notes), forward.notes
+
+
+def test_a_training_graph_whose_backward_never_runs_is_kept_untimed(guard_on_cpu):
+    scripted, seen = guard_on_cpu
+    backend = _train(ON, seen, steps=eager_guard.LATEST_CALL + 1, backward=False)
+    (rec,) = backend.records
+    assert not seen and not rec.runs_as_traced
+    assert any("no backward has run" in n for n in rec.notes), rec.notes
 
 
 @pytest.mark.gpu
@@ -239,3 +303,13 @@ def test_gpu_batchnorm_training_statistics_updated_once_per_call():
     torch.testing.assert_close(model.running_mean, reference.running_mean, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.running_var, reference.running_var, atol=1e-5, rtol=1e-5)
     assert int(model.num_batches_tracked) == 6
+
+
+@pytest.mark.gpu
+def test_gpu_training_step_is_guarded_and_keeps_eager_gradients():
+    """On CUDA, the real timing: decided once the backward settled, either way the
+    gradients and running statistics stay eager's."""
+    backend = _train({"eager_guard": True}, steps=5, device="cuda")
+    forward = next(r for r in backend.records if r.stage == "forward")
+    assert any("a forward and backward each" in n for n in forward.notes) or \
+        any("no region runs a generated kernel" in n for n in forward.notes), forward.notes
