@@ -87,4 +87,5 @@ def test_autocast_training_step_on_the_interpreter(name, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(_models()))
 def test_autocast_training_step_on_the_gpu(name, dtype):
-    _check(name, "cuda", dtype, {"require_speedup": False})
+    # the guard could send a settled step back to eager; this checks the kernels
+    _check(name, "cuda", dtype, {"require_speedup": False, "eager_guard": False})
