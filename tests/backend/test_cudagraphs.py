@@ -60,6 +60,33 @@ def test_identical_is_bitwise_and_nan_aware():
     assert not _identical(a, a.double())
 
 
+def test_a_replay_of_a_repeatable_program_must_be_bitwise():
+    from stitch_backend.cudagraphs import replay_disagrees
+
+    a = torch.randn(64)
+    off = a + 1e-7
+    assert "differed" in replay_disagrees([off], [a], None)        # no rerun (mutations)
+    assert "differed" in replay_disagrees([off], [a], [a.clone()])  # the rerun is identical
+
+
+def test_a_replay_of_a_nondeterministic_program_is_judged_by_tolerance_and_spread():
+    """Two uncaptured runs differ (cuDNN's convolution backward): the replay stands when
+    it is within the correctness rule of the first run, or within twice the runs'
+    spread of it; a larger difference still turns replay off."""
+    from stitch_backend.cudagraphs import replay_disagrees
+
+    a = torch.randn(64) * 1000
+    rerun = a.clone()
+    rerun[3] += 0.05                                   # the Program's own spread
+    assert replay_disagrees([a + 1e-3], [a], [rerun]) is None     # within 1e-4 relative
+    big = a.clone()
+    big[5] += 0.08                                     # beyond tolerance, within 2 x 0.05
+    assert replay_disagrees([big], [a], [rerun]) is None
+    big[5] += 1.0
+    why = replay_disagrees([big], [a], [rerun])
+    assert why and "beyond twice the 0.05" in why
+
+
 def test_replay_stays_on_unless_running_uncaptured_is_faster(monkeypatch):
     """The first replay's timing decides (wall clock per call, copies included): the
     faster way is kept (cuDNN's choices while capturing made a graph of convolutions 10%
