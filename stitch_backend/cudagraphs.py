@@ -14,7 +14,11 @@ tolerance a kernel is verified to), since no bitwise answer exists. Seen on the 
 Inputs: parameters and buffers (AOTAutograd's static inputs) are read in place; if one
 moves, the graph is captured again. Other inputs are copied into buffers the graph owns
 when they are not already those buffers. Mutated parameters and buffers (BatchNorm's
-running statistics) are written inside the graph; other mutated inputs after it.
+running statistics) are written inside the graph; other mutated inputs after it. A
+training graph may return inputs (a forward saves its batch and weights for the
+backward): those outputs are handed over as views of the caller's own inputs, never of
+the graph's copies, which the next replay overwrites (inference graphs that return an
+input are not captured).
 
 Outputs are handed over without a copy: the user gets aliases of the graph's output
 buffers, and the next call first looks whether anyone still holds them (the storage's
@@ -85,7 +89,9 @@ def ineligible(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, devic
     returned: list[torch.fx.Node] = []
     torch.fx.node.map_arg(out.args[0], returned.append)
     for value in returned:
-        if _aliases_input(value):
+        # A training forward returns inputs it saves for the backward (the batch, the
+        # weights): handed over as views of the caller's own inputs (``input_views``).
+        if stage == "inference" and _aliases_input(value):
             return "an output is a graph input or a view of one"
     for x in example_inputs:
         if not isinstance(x, torch.Tensor):
@@ -184,6 +190,10 @@ class GraphReplay:
         # counts of those tensors' storages before it did, in the same order (what
         # "nobody else holds them" reads).
         self._flat_own: list[torch.Tensor] = []
+        # Outputs that are (views of) inputs: flat position -> (input index, sizes,
+        # strides, element offset from the input's own), handed over as views of the
+        # caller's input, never of the graph's copy of it.
+        self._input_views: dict[int, tuple[int, tuple, tuple, int]] = {}
         self._handed: list[weakref.ref] = []
         self._baseline: list[int] = []
         self.clone_outputs = False
@@ -222,16 +232,20 @@ class GraphReplay:
         self.graph.replay()
         if self._outside:
             write_back([inputs[i] for i, _ in self._outside], [v for _, v in self._outside])
-        return self._hand_over()
+        return self._hand_over(inputs)
 
-    def _hand_over(self) -> Any:
+    def _hand_over(self, inputs: Sequence[torch.Tensor] = ()) -> Any:
         """The outputs for the user: aliases of the graph's buffers (clones after
-        ABANDON_LIMIT recaptures), remembered for the next call's look."""
+        ABANDON_LIMIT recaptures), remembered for the next call's look; outputs that
+        are inputs, views of the caller's inputs."""
         if self.clone_outputs:
-            return _clone(self._own)
+            return _with_input_views(_clone(self._own), self._input_views, inputs)
         self._baseline = [_use_count(t) for t in self._flat_own]
         handed: list[torch.Tensor] = []
         out = _alias(self._own, handed)
+        if self._input_views:
+            out = _with_input_views(out, self._input_views, inputs)
+            handed = [t for j, t in enumerate(handed) if j not in self._input_views]
         self._handed = [weakref.ref(t) for t in handed]
         return out
 
@@ -384,7 +398,9 @@ class GraphReplay:
             self.captured_ptrs = [x.data_ptr() for x in inputs]
             self.graph, self.static_outputs = capture(self._captured_run)
             self._own, values = split_outputs(self.static_outputs, self.program.writebacks)
-            self._flat_own = _tensors(self._own)
+            flat = _tensors(self._own)
+            self._input_views = input_views(flat, self.static_inputs)
+            self._flat_own = [t for j, t in enumerate(flat) if j not in self._input_views]
             self._handed = []
             self._outside = self._by_place(values)[1]
             self._copied = [i for i in range(len(inputs)) if i not in self.static_indices]
@@ -399,6 +415,7 @@ class GraphReplay:
         self.graph = None
         self.static_outputs = self._own = None   # the graph's pool is freed with these
         self._flat_own, self._handed = [], []
+        self._input_views = {}
         self._outside = []
         self.static_inputs = []
         log.warning("stitchcuda: CUDA graph replay off for %s: %s",
@@ -450,6 +467,45 @@ def wall_ms(fn: Callable[[], Any], runs: int = 5) -> float:
 
 class NotCaptured(Exception):
     """This call runs uncaptured (the reason is the message)."""
+
+
+def input_views(outputs: Sequence[torch.Tensor], static_inputs: Sequence[Any]
+                ) -> dict[int, tuple[int, tuple, tuple, int]]:
+    """For each of ``outputs`` (flat) whose memory is one of ``static_inputs`` (the
+    graph's inputs while capturing: parameters themselves, copies of the rest):
+    position -> (input index, sizes, strides, element offset from that input's)."""
+    by_storage = {x.untyped_storage().data_ptr(): i for i, x in enumerate(static_inputs)
+                  if isinstance(x, torch.Tensor)}
+    found = {}
+    for j, t in enumerate(outputs):
+        i = by_storage.get(t.untyped_storage().data_ptr())
+        if i is not None:
+            found[j] = (i, tuple(t.size()), tuple(t.stride()),
+                        t.storage_offset() - static_inputs[i].storage_offset())
+    return found
+
+
+def _with_input_views(value: Any, views: dict[int, tuple[int, tuple, tuple, int]],
+                      inputs: Sequence[torch.Tensor]) -> Any:
+    """``value`` with the tensors at ``views``' flat positions replaced by those views
+    of ``inputs`` (detached: autograd sees them as outputs, as it saw the captured ones)."""
+    if not views:
+        return value
+    position = iter(range(len(_tensors(value))))
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            j = next(position)
+            if j in views:
+                i, size, stride, offset = views[j]
+                x = inputs[i].detach()
+                return x.as_strided(size, stride, x.storage_offset() + offset)
+            return v
+        if isinstance(v, (list, tuple)):
+            return type(v)(swap(item) for item in v)
+        return v
+
+    return swap(value)
 
 
 def _use_count(t: torch.Tensor) -> int:

@@ -24,6 +24,10 @@ def test_reasons_for_not_capturing():
     assert "training graphs" in _why(lambda x: x * 2, x, stage="forward")
     assert "random op" in _why(lambda x: F.dropout(x, 0.5, True), x)
     assert "view of one" in _why(lambda x: (x.view(-1), x * 2), x)
+    # a training forward may return its inputs (saved for the backward): handed over as
+    # views of the caller's; here the CPU input is what stops it
+    assert "input lives on cpu" in _why(lambda x: (x.view(-1), x * 2), x, stage="forward",
+                                        allow_training=True)
     assert "input lives on cpu" in _why(lambda x: x * 2, x)  # structure fine, inputs not
 
 
@@ -394,3 +398,28 @@ def test_after_views_were_kept_twice_outputs_are_cloned(monkeypatch):
     replay._own = own
     out = replay._hand_over()
     assert out[0].data_ptr() != own[0].data_ptr() and torch.equal(out[0], own[0])
+
+
+def test_outputs_that_are_inputs_become_views_of_the_callers_inputs():
+    """A training forward returns its batch and weights for the backward: at capture
+    they are found by storage among the graph's inputs, and each call hands over views
+    of the caller's tensors (sizes, strides and offset kept), never the graph's copy."""
+    from stitch_backend.cudagraphs import _with_input_views, input_views
+
+    weight = torch.randn(4, 3)
+    static_x = torch.randn(6, 4)                         # the graph's copy of the batch
+    own = torch.randn(5)                                 # a buffer of the graph's
+    outputs = [own, static_x[2:], weight, weight.t()]
+    views = input_views(outputs, [static_x, weight])
+    assert views == {1: (0, (4, 4), (4, 1), 8), 2: (1, (4, 3), (3, 1), 0),
+                     3: (1, (3, 4), (1, 3), 0)}
+    base = torch.randn(100)
+    caller_x = base[10:34].view(6, 4)                    # the caller's batch, offset 10
+    caller_w = weight.clone().requires_grad_(True)
+    got = _with_input_views((outputs[0], [outputs[1], outputs[2]], outputs[3]), views,
+                            [caller_x, caller_w])
+    assert got[0] is own
+    assert got[1][0].data_ptr() == caller_x[2:].data_ptr()
+    assert torch.equal(got[1][0], caller_x[2:])
+    assert got[1][1].data_ptr() == caller_w.data_ptr() and not got[1][1].requires_grad
+    assert torch.equal(got[2], caller_w.detach().t())

@@ -115,10 +115,12 @@ def test_replayed_outputs_are_handed_over_without_a_copy_unless_kept(monkeypatch
     assert len({y.data_ptr() for y in kept}) == len(kept)
 
 
-def test_a_training_backward_is_replayed_though_cudnn_adds_in_varying_order():
+def test_a_training_step_is_replayed_though_cudnn_adds_in_varying_order():
     """cudagraphs_training: a conv net's backward (cuDNN's weight gradient is not bit for
-    bit repeatable) keeps its replay, judged by tolerance against an uncaptured run, and
-    every step's gradients stay eager's."""
+    bit repeatable) keeps its replay, judged by tolerance against an uncaptured run; its
+    forward, which returns its input and weights for the backward, is captured too
+    (handing over views of the caller's tensors); every step's gradients stay eager's
+    (a new batch each step: a saved input must be this step's, not the graph's copy)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(16, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
@@ -137,3 +139,7 @@ def test_a_training_backward_is_replayed_though_cudnn_adds_in_varying_order():
     backward = next(r for r in backend.records if r.stage == "backward")
     replay = backward.program.replay
     assert replay is not None and replay.disabled is None, backward.notes
+    # the forward returns its input and weights for the backward: captured all the same
+    forward = next(r for r in backend.records if r.stage == "forward")
+    assert forward.program.replay is not None, forward.notes
+    assert forward.program.replay.captures >= 1, forward.notes
