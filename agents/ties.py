@@ -56,7 +56,7 @@ def settle(gm: torch.fx.GraphModule, inputs: Sequence[Any], got: Any,
     """``got``'s outputs, flattened, with each selection index that differs from eager's
     only at near ties replaced by eager's; and which outputs that was done for."""
     outs, refs = flatten_outputs(got), flatten_outputs(reference)
-    nodes = _output_nodes(gm)
+    nodes = output_nodes(gm)
     if len(nodes) != len(outs) or len(outs) != len(refs):
         return outs, []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -90,7 +90,8 @@ def _is_index(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype in (torch.int64, torch.int32)
 
 
-def _output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+def output_nodes(gm: torch.fx.GraphModule) -> list[Any]:
+    """The nodes (or constants) ``gm`` returns, flattened as its outputs are."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     return flatten_outputs(out.args[0])
 

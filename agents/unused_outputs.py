@@ -2,7 +2,8 @@
 
 A training forward returns what its backward needs, and for fused attention that
 includes the random-number bookkeeping of dropout: ``philox_seed`` and ``philox_offset``
-(flash attention: ``rng_state`` and ``unused``) of ``_scaled_dot_product_{cudnn,flash,efficient}_attention``. At ``dropout_p == 0`` no
+(flash attention: ``rng_state`` and ``unused``) of
+``_scaled_dot_product_{cudnn,flash,efficient}_attention``. At ``dropout_p == 0`` no
 random number is drawn and the backward reads neither; what ATen leaves in them is then
 not a result (on the H200, under bf16 autocast, the cuDNN attention's seed differed
 between two runs of the same ATen op on the same inputs and random state, and the
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from stitch_backend.correctness import flatten_outputs
+from .ties import output_nodes
 
 # flash attention names them rng_state and unused
 _RNG_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"})
@@ -30,8 +31,7 @@ _RNG_RETURNS = frozenset({"philox_seed", "philox_offset", "rng_state", "unused"}
 def unused_rng_outputs(gm: torch.fx.GraphModule) -> list[int]:
     """Positions among ``gm``'s flattened outputs that are an attention op's dropout
     seed or offset while its ``dropout_p`` is 0."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return [i for i, node in enumerate(flatten_outputs(out.args[0]))
+    return [i for i, node in enumerate(output_nodes(gm))
             if isinstance(node, torch.fx.Node) and _is_unused_rng(node)]
 
 

@@ -42,6 +42,7 @@ stays on unless running uncaptured is faster by more than REPLAY_MARGIN.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import weakref
 from typing import Any, Callable, Iterator, Sequence
@@ -316,9 +317,9 @@ class GraphReplay:
         expected, values = split_outputs(self.program.run_inputs(inputs), writebacks)
         outputs = self._replay(inputs)
         if not (_identical(outputs, expected) and _identical(list(targets), values)):
-            rerun = (split_outputs(self.program.run_inputs(inputs), writebacks)
-                     if not writebacks else None)  # targets now hold the replay's values
-            why = replay_disagrees(outputs, expected, rerun[0] if rerun else None)
+            # with writebacks, the targets now hold the replay's values: no rerun
+            rerun = None if writebacks else self.program.run_inputs(inputs)
+            why = replay_disagrees(outputs, expected, rerun)
             if why:
                 write_back(targets, values)
                 self.disable(why)
@@ -491,7 +492,7 @@ def _with_input_views(value: Any, views: dict[int, tuple[int, tuple, tuple, int]
     of ``inputs`` (detached: autograd sees them as outputs, as it saw the captured ones)."""
     if not views:
         return value
-    position = iter(range(len(_tensors(value))))
+    position = itertools.count()
 
     def swap(v: Any) -> Any:
         if isinstance(v, torch.Tensor):

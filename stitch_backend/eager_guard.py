@@ -171,9 +171,7 @@ class EagerGuard:
             self._note(f"eager guard: not timed, {saved_bytes / 2**20:.0f} MiB of mutated "
                        "inputs would have to be saved and restored; the stitched graph is kept")
             return self.compiled
-        what = "wall clock"
-        stitched_call: Callable[[], Any] = lambda: self.compiled(*args)  # noqa: E731
-        eager_call: Callable[[], Any] = lambda: self.eager(*args)  # noqa: E731
+        what, wrt = "wall clock", None
         if self.training:
             if not any(rec.stage == "backward" for rec in self.records):
                 self._note("eager guard: not timed, no backward has run by call "
@@ -184,14 +182,16 @@ class EagerGuard:
                 self._note("eager guard: not timed, no input requires a gradient; the "
                            "stitched graph is kept")
                 return self.compiled
-            stitched_call = lambda: _step(self.compiled, args, wrt)  # noqa: E731
-            eager_call = lambda: _step(self.eager, args, wrt)  # noqa: E731
             what = "a forward and backward each, wall clock"
+
+        def call(fn: Callable[..., Any]) -> Callable[[], Any]:
+            return (lambda: fn(*args)) if wrt is None else (lambda: _step(fn, args, wrt))
+
         stitched_ms, eager_ms = [], []
         with restored(targets):
             for _ in range(2):  # interleaved, so a clock or load drift hits both
-                stitched_ms.append(cudagraphs.wall_ms(stitched_call))
-                eager_ms.append(cudagraphs.wall_ms(eager_call))
+                stitched_ms.append(cudagraphs.wall_ms(call(self.compiled)))
+                eager_ms.append(cudagraphs.wall_ms(call(self.eager)))
         stitched, eager = min(stitched_ms), min(eager_ms)
         timing = (f"{stitched:.3f} ms stitched vs {eager:.3f} ms for the graph as traced "
                   f"(eager, undecomposed; {what}, best of two medians of 5)")

@@ -100,22 +100,10 @@ def _is_alias(node: torch.fx.Node) -> bool:
 def estimate(gm: torch.fx.GraphModule, plan: Plan) -> MemoryEstimate:
     """Both peaks for ``gm`` run as ``plan`` says (regions with ``backend == "kernel"``
     as generated kernels, the rest on ATen)."""
-    nodes = list(gm.graph.nodes)
-    computed = {n.name for n in nodes if n.op == "call_function"}
     try:
-        graph_bytes = _walk(nodes, [n.name for n in nodes], computed, region_end=None)
-        order = [x for region in plan.regions for x in region.nodes]
-        region_end: dict[str, int] = {}     # node -> position of its region's last node
-        start = 0
-        for region in plan.regions:
-            start += len(region.nodes)
-            for x in region.nodes:
-                region_end[x] = start - 1
-        kept, held = _materialised(gm, plan)
-        program_bytes = _walk(nodes, order, kept & computed, region_end, held)
+        return MemoryEstimate(_program_peak(gm, plan, _generated(plan)), _graph_peak(gm))
     except _Symbolic as err:
         return MemoryEstimate(None, None, str(err))
-    return MemoryEstimate(program_bytes, graph_bytes)
 
 
 def within_margin(gm: torch.fx.GraphModule, plan: Plan,
@@ -123,36 +111,55 @@ def within_margin(gm: torch.fx.GraphModule, plan: Plan,
     """Which of the ``generated`` regions (ids, run as kernels) go back to ATen so that the
     Program's estimated peak is within ``FLAG_RATIO`` of the graph's, and the estimate
     then: regions are tried largest outputs first, each kept on ATen only where that
-    lowers the peak, until the peak is within the margin. ``plan``'s regions are left as
-    they were."""
-    saved = {r.id: r.backend for r in plan.regions}
-    by_id = {r.id: r for r in plan.regions}
+    lowers the peak, until the peak is within the margin. ``plan`` is not changed."""
     try:
-        for r in plan.regions:
-            r.backend = "kernel" if r.id in generated else "aten"
-        est = estimate(gm, plan)
+        graph_bytes = _graph_peak(gm)
+        kernels = set(generated)
+        est = MemoryEstimate(_program_peak(gm, plan, kernels), graph_bytes)
         dropped: list[int] = []
         if est.ratio is None or est.ratio <= FLAG_RATIO:
             return dropped, est
         meta = {n.name: n.meta.get("val") for n in gm.graph.nodes}
-        order = sorted(generated, key=lambda rid: -sum(
+        by_id = {r.id: r for r in plan.regions}
+        order = sorted(kernels, key=lambda rid: -sum(
             _bytes(meta.get(x), x) for x in by_id[rid].outputs))
         for rid in order:
-            by_id[rid].backend = "aten"
-            trial = estimate(gm, plan)
-            if trial.program_bytes is not None and trial.program_bytes < est.program_bytes:
+            trial = MemoryEstimate(_program_peak(gm, plan, kernels - {rid}), graph_bytes)
+            if trial.program_bytes < est.program_bytes:
+                kernels.discard(rid)
                 dropped.append(rid)
                 est = trial
                 if trial.ratio is not None and trial.ratio <= FLAG_RATIO:
                     break
-            else:
-                by_id[rid].backend = "kernel"
         return dropped, est
     except _Symbolic as err:
         return [], MemoryEstimate(None, None, str(err))
-    finally:
-        for r in plan.regions:
-            r.backend = saved[r.id]
+
+
+def _generated(plan: Plan) -> set[int]:
+    return {r.id for r in plan.regions if r.backend == "kernel"}
+
+
+def _graph_peak(gm: torch.fx.GraphModule) -> int:
+    """The traced graph's peak, op by op."""
+    nodes = list(gm.graph.nodes)
+    computed = {n.name for n in nodes if n.op == "call_function"}
+    return _walk(nodes, [n.name for n in nodes], computed, region_end=None)
+
+
+def _program_peak(gm: torch.fx.GraphModule, plan: Plan, generated: set[int]) -> int:
+    """The Program's peak, its ``generated`` regions (ids) run as kernels."""
+    nodes = list(gm.graph.nodes)
+    computed = {n.name for n in nodes if n.op == "call_function"}
+    order = [x for region in plan.regions for x in region.nodes]
+    region_end: dict[str, int] = {}     # node -> position of its region's last node
+    start = 0
+    for region in plan.regions:
+        start += len(region.nodes)
+        for x in region.nodes:
+            region_end[x] = start - 1
+    kept, held = _materialised(gm, plan, generated)
+    return _walk(nodes, order, kept & computed, region_end, held)
 
 
 def _walk(nodes: list[torch.fx.Node], order: list[str], materialised: set[str],
@@ -202,16 +209,17 @@ def _walk(nodes: list[torch.fx.Node], order: list[str], materialised: set[str],
     return peak
 
 
-def _materialised(gm: torch.fx.GraphModule, plan: Plan) -> tuple[set[str], frozenset[str]]:
+def _materialised(gm: torch.fx.GraphModule, plan: Plan,
+                  generated: set[int]) -> tuple[set[str], frozenset[str]]:
     """Node names whose values exist when the Program runs: every node of an ATen
-    region; a generated kernel region's outputs (and a library call's own output
+    region; a ``generated`` (kernel) region's outputs (and a library call's own output
     ahead of its epilogue kernel). And the nodes that run inside a generated kernel
     (every node of a generated region but its library call)."""
     kept: set[str] = set()
     held: set[str] = set()
     nodes = {n.name: n for n in gm.graph.nodes}
     for region in plan.regions:
-        if region.backend != "kernel":
+        if region.id not in generated:
             kept.update(region.nodes)
             continue
         kept.update(region.outputs)
