@@ -539,13 +539,19 @@ def _alias(value: Any, found: list[torch.Tensor]) -> Any:
 def _move_out(alias: torch.Tensor) -> bool:
     """Point ``alias`` (an output the user kept) at a copy of its values in memory of
     its own, with the copy's sizes and strides (``_clone``'s: the same, except that an
-    expanded output becomes dense); False where that cannot be done (a tensor autograd
-    tracks, a failing ``set_``)."""
-    if alias.requires_grad:
-        return False
-    copy = _clone(alias)
+    expanded output becomes dense); False where ``set_`` fails.
+
+    The values do not change, so autograd's version counter is kept as it was: a
+    training forward's output the backward saved (or one it tracks, the loss's input)
+    moved out before that backward ran still passes autograd's check that saved
+    tensors were not modified in place. A saved copy autograd made of its own (an
+    output saved by the op that made it) still holds the buffer: the caller's use
+    count sees it."""
+    with torch.no_grad():
+        copy = _clone(alias)
     try:
-        with torch.inference_mode(alias.is_inference()):
+        with torch.inference_mode(alias.is_inference()), torch.no_grad(), \
+                torch.autograd._unsafe_preserve_version_counter(alias):
             alias.set_(copy.untyped_storage(), copy.storage_offset(), copy.size(), copy.stride())
     except RuntimeError as err:
         log.debug("could not move a kept output out of the graph's buffer: %s", err)

@@ -377,6 +377,45 @@ def test_kept_inference_tensors_are_moved_out_too():
     assert out[0].data_ptr() != own[0].data_ptr() and torch.equal(out[0], own[0])
 
 
+def _as_training_forward(w: torch.Tensor, out: torch.Tensor, saved: torch.Tensor):
+    """What AOTAutograd does with a replayed training forward's outputs: ``out`` becomes
+    the op's output (autograd gives that very tensor its grad_fn) and ``saved`` its
+    saved activation (kept as the tensor itself, not an output of the op)."""
+
+    class Forward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, w):
+            ctx.save_for_backward(saved)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            (a,) = ctx.saved_tensors
+            return g * a
+
+    return Forward.apply(w)
+
+
+def test_outputs_autograd_saved_or_tracks_are_moved_out_before_their_backward():
+    """A training step's second forward before the first's backward: the first
+    forward's output (which requires grad) and its saved activation are moved out of
+    the graph's buffers; the backward then passes autograd's in-place check and reads
+    the moved values, though the graph has overwritten its buffers since."""
+    own = [torch.tensor([0.5, 0.25, 2.0]), torch.tensor([1.0, 2.0, 3.0])]
+    replay = _handing_replay(own)
+    handed = replay._hand_over()
+    w = torch.ones(3, requires_grad=True)
+    y = _as_training_forward(w, handed[0], handed[1])
+    assert y is handed[0] and y.requires_grad
+    del handed
+    assert replay._release_outputs() and replay.moved == 2
+    for buf in own:   # the next replay overwrites the buffers, unseen by autograd
+        buf.data.fill_(-7.0)
+    assert torch.equal(y, torch.tensor([0.5, 0.25, 2.0]))
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
 def test_after_views_were_kept_twice_outputs_are_cloned(monkeypatch):
     """Each time a held view stops the graph from overwriting its buffers, the graph is
     left to it and captured again; the second time, outputs are cloned from then on."""
