@@ -193,7 +193,7 @@ class StitchBackend:
         gm, pools = self._pools(gm, device)
         gm, biases = self._conv_bias(gm, device)
         plan = partition(gm, graph_name=f"graph_{index}_{stage}",
-                         defer_roots=self.config.fuse_roots)
+                         defer_roots=self._fuse_roots(stage))
         arch = self._arch(device)
         key = graph_key(gm, example_inputs, options=self.config.code_options(), arch=arch)
         record = GraphRecord(index=index, stage=stage, key=key, plan=plan, device=device,
@@ -252,6 +252,12 @@ class StitchBackend:
                  ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value]),
                  counts["generated"], key.short, record.compile_ms)
         return program
+
+    def _fuse_roots(self, stage: str) -> bool:
+        """The Planner's ``defer_roots`` for a graph of ``stage`` ('auto': backward only)."""
+        if self.config.fuse_roots is None:
+            return stage == "backward"
+        return self.config.fuse_roots
 
     def _layout(self, gm, stage: str, device: str, dynamic: bool):
         """``gm`` with its convolutions channels-last where that applies, and what was

@@ -88,12 +88,13 @@ class Config:
                        "(the Verifier keeps the faster; README has the measurement behind "
                        "the default)."),
     )
-    fuse_roots: bool = field(
+    fuse_roots: bool | None = field(
         default=False,
         metadata=_meta("STITCHCUDA_FUSE_ROOTS", True,
                        "Planner: a pointwise op reading only graph inputs joins its first "
-                       "fused consumer's region instead of opening its own (experimental, "
-                       "off until measured on the GPU: KLDiv's loss becomes one region)."),
+                       "fused consumer's region instead of opening its own (KLDiv's loss "
+                       "becomes one region; a training BatchNorm's backward one kernel "
+                       "instead of four). 'auto' (None): in backward graphs only."),
     )
     cpu_interpret: bool = field(
         default=False,

@@ -90,3 +90,44 @@ def test_kl_div_single_region_is_generated_and_correct():
             torch.testing.assert_close(compiled(*inputs), KLDiv()(*inputs))
     (rec,) = backend.records
     assert rec.plan.counts()["generated"] == 1, [r.reason for r in rec.plan.regions]
+
+
+class ConvBNReLU(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.bn = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_auto_fuses_roots_in_backward_graphs_only_and_keeps_eagers_gradients():
+    """'auto': a training BatchNorm's backward (two per-channel sums, the input gradient)
+    is one fused region instead of four; the forward is planned as by default; the
+    gradients are eager's (CPU interpreter of the generated kernels)."""
+    torch.manual_seed(0)
+    model = ConvBNReLU().train()
+    ref = ConvBNReLU().train()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4, 10, 10)
+    counts = {}
+    for fuse_roots in (False, None):
+        backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                         "fuse_roots": fuse_roots})
+        compiled = torch.compile(model, backend=backend)
+        xc = x.clone().requires_grad_()
+        compiled(xc).square().sum().backward()
+        counts[fuse_roots] = {r.stage: r.plan.counts()["fused"] for r in backend.records}
+        if fuse_roots is None:
+            xr = x.clone().requires_grad_()
+            ref(xr).square().sum().backward()
+            torch.testing.assert_close(xc.grad, xr.grad, atol=1e-4, rtol=1e-4)
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)
+            (bw,) = [r for r in backend.records if r.stage == "backward"]
+            assert bw.plan.counts()["generated"] == 1, [r.reason for r in bw.plan.regions]
+        model.zero_grad()
+        torch._dynamo.reset()
+    assert counts[None]["forward"] == counts[False]["forward"]
+    assert counts[False]["backward"] >= 4 and counts[None]["backward"] == 1, counts
