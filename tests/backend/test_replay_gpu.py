@@ -143,3 +143,33 @@ def test_a_training_step_is_replayed_though_cudnn_adds_in_varying_order():
     forward = next(r for r in backend.records if r.stage == "forward")
     assert forward.program.replay is not None, forward.notes
     assert forward.program.replay.captures >= 1, forward.notes
+
+
+def test_two_replayed_forwards_before_their_backwards_keep_eagers_gradients():
+    """A siamese step (the model run on two batches, one backward of both): the second
+    forward's replay finds the first's outputs and saved activations still held. They
+    are moved out of the graph's buffers (autograd's version counters kept), so both
+    backwards read their own forward's values, and the graph is not captured again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 32, 3, padding=1)).cuda()   # its output is not saved
+    ref = copy.deepcopy(model)
+    backend = StitchBackend(options={"cudagraphs_training": True, "eager_guard": False})
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(6):
+        a, b = (torch.randn(4, 16, 16, 16, device="cuda") for _ in range(2))
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+        ya, yb = compiled(a), compiled(b)
+        ra, rb = ref(a), ref(b)
+        torch.testing.assert_close(ya, ra, atol=1e-4, rtol=1e-4)
+        (ya.square().sum() + (yb * 2).sum()).backward()
+        (ra.square().sum() + (rb * 2).sum()).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-3)
+    forward = next(r for r in backend.records if r.stage == "forward")
+    replay = forward.program.replay
+    assert replay is not None and replay.disabled is None, forward.notes
+    assert replay.moved > 0 and replay.abandoned == 0, (replay.moved, replay.abandoned,
+                                                         forward.notes)
