@@ -550,6 +550,7 @@ def _move_out(alias: torch.Tensor) -> bool:
     with torch.no_grad():
         copy = _clone(alias)
     try:
+        # no_grad inside inference_mode: inference_mode(False) turns grad mode back on
         with torch.inference_mode(alias.is_inference()), torch.no_grad(), \
                 torch.autograd._unsafe_preserve_version_counter(alias):
             alias.set_(copy.untyped_storage(), copy.storage_offset(), copy.size(), copy.stride())
