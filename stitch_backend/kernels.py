@@ -40,7 +40,7 @@ class KernelRunner:
     def __call__(self, *inputs: Any) -> Sequence[torch.Tensor]:
         launch = self.kernel.prepare(inputs)
         for x in launch.reads:     # not the constants it inlined (CPU scalars)
-            if x.device.type != "cuda":
+            if not x.is_cuda:
                 raise ValueError(f"{self.kernel.name}: input on {x.device}; the kernel "
                                  "reads CUDA memory only")
         if self.poison:

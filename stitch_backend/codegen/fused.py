@@ -81,9 +81,17 @@ _MAX_LAYOUTS = 64  # a symbolic kernel seen at many sizes stops memoising, still
 
 
 def layout_key(inputs: Sequence) -> tuple:
-    """The memo key of an input list: each tensor's shape, strides, dtype and device."""
-    return tuple((tuple(x.shape), x.stride(), x.dtype, x.device.type)
-                 if isinstance(x, torch.Tensor) else ("int", int(x)) for x in inputs)
+    """The memo key of an input list: each tensor's shape, strides, dtype and device type.
+
+    On every launch's host path, so a plain loop: ``torch.Size`` hashes and compares as
+    the tuple it is, and ``is_cuda`` skips building a device object for the common case."""
+    key = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            key.append((x.shape, x.stride(), x.dtype, "cuda" if x.is_cuda else x.device.type))
+        else:
+            key.append(("int", int(x)))
+    return tuple(key)
 
 
 def key_to_json(key: tuple) -> list:
@@ -112,19 +120,26 @@ def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "Launch
     workspaces on the inputs' device, and the packed argument list."""
     # the device of what the kernel reads: a region input it does not read (a CPU
     # scalar constant it inlined) must not place the outputs in host memory
-    read = tuple(inputs[p] for p in layout.positions if isinstance(inputs[p], torch.Tensor))
+    read = tuple(x for x in (inputs[p] for p in layout.positions) if isinstance(x, torch.Tensor))
     placed = read or [x for x in inputs if isinstance(x, torch.Tensor)]
     device = placed[0].device if placed else torch.device("cuda")
-    outputs = tuple(torch.empty_strided(shape, stride, dtype=dt, device=device)
-                    for shape, stride, dt in layout.outputs)
-    scratch = tuple(torch.empty(n, dtype=dt, device=device) if n
-                    else torch.zeros(1, dtype=torch.int32, device=device)
-                    for n, dt in layout.scratch)
-    args = [inputs[p].data_ptr() for p in layout.positions]
-    args += [o.data_ptr() for o in outputs]
-    args += [t.data_ptr() for t in scratch]
+    args = [x.data_ptr() for x in read]
+    if len(args) != len(layout.positions):
+        raise ValueError(f"a pointer argument of the kernel is not a tensor: positions "
+                         f"{layout.positions}, inputs {[type(x).__name__ for x in inputs]}")
+    outputs = []
+    for shape, stride, dt in layout.outputs:
+        out = torch.empty_strided(shape, stride, dtype=dt, device=device)
+        outputs.append(out)
+        args.append(out.data_ptr())
+    scratch = []
+    for n, dt in layout.scratch:
+        t = (torch.empty(n, dtype=dt, device=device) if n
+             else torch.zeros(1, dtype=torch.int32, device=device))
+        scratch.append(t)
+        args.append(t.data_ptr())
     args += layout.tail
-    return LaunchPlan(layout.grid, layout.block, 0, tuple(args), outputs, scratch, read)
+    return LaunchPlan(layout.grid, layout.block, 0, tuple(args), tuple(outputs), tuple(scratch), read)
 
 
 def _pow2_at_least(n: int) -> int:
