@@ -28,7 +28,6 @@ problem: ``ok`` or ``FAIL`` with the reasons, the generated kernels in use, the 
 from __future__ import annotations
 
 import argparse
-import copy
 import re
 import sys
 import time
@@ -82,18 +81,23 @@ def _present(values: list[Any]) -> list[Any]:
     return [v for v in values if v is not None]
 
 
+def _build(mod) -> torch.nn.Module:
+    """A fresh model in training mode with seed 0's weights. Built again for each copy,
+    not deep-copied: a model may hold a lambda over its own submodules (L3 44's
+    ``mlpf``), which ``deepcopy`` shares, so a copy would run the original's layers."""
+    torch.manual_seed(0)
+    return mod.Model(*mod.get_init_inputs()).train()
+
+
 def check_problem(path: Path, *, amp: str = "", cast: str = "", batches: bool = False,
                   sizes: bool = True) -> str:
     """One problem's line (see the module's notes)."""
     from ..backend import StitchBackend
 
     mod = load(path, sizes=sizes)
-    torch.manual_seed(0)
-    model = mod.Model(*mod.get_init_inputs()).train()
-    model64 = copy.deepcopy(model).double()
+    model, compiled_model, model64 = _build(mod), _build(mod), _build(mod).double()
     if cast:
-        model = model.to(AUTOCAST[cast])
-    compiled_model = copy.deepcopy(model)
+        model, compiled_model = model.to(AUTOCAST[cast]), compiled_model.to(AUTOCAST[cast])
     backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
                                      "cache": False})
     compiled = torch.compile(compiled_model, backend=backend)

@@ -57,3 +57,22 @@ def test_a_sweep_runs_training_steps_and_says_what_broke(tmp_path, capsys):
     assert main([str(tmp_path), "2", "--problems", "2"]) == 1
     out = capsys.readouterr().out
     assert "level2/2_Broken: ERROR ValueError: no" in out and "0 of 1 ok" in out
+
+
+LAMBDA = TOY.replace(
+    "        self.norm = nn.GroupNorm(groups, features)",
+    "        self.norm = nn.GroupNorm(groups, features)\n"
+    "        fc = self.fc\n"
+    "        self.head = lambda x: fc(x)   # as L3 44's mlpf: a closure over a submodule")
+LAMBDA = LAMBDA.replace("torch.relu(self.fc(x))", "torch.relu(self.head(x))")
+
+
+def test_models_holding_a_closure_over_their_layers_are_built_not_copied(tmp_path, capsys):
+    """A deep copy shares the closure, so the fp64 copy ran the float model's layer
+    ("mat1 and mat2 must have the same dtype") and the compiled copy the eager one's."""
+    level = tmp_path / "level3"
+    level.mkdir()
+    (level / "1_Closure.py").write_text(LAMBDA)
+    assert main([str(tmp_path), "3"]) == 0
+    out = capsys.readouterr().out
+    assert "level3/1_Closure: ok (" in out, out
