@@ -196,6 +196,37 @@ for _ov in ("default", "dim", "dims"):
             RULES[_t] = _anyall(_k)
 
 
+@rule(aten.linalg_vector_norm.default)
+def _vector_norm(ctx, node, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """``linalg_vector_norm`` of real values: sum(|x|^p)^(1/p), with ATen's special orders
+    (2: sqrt of the sum of squares; 1; inf/-inf: max/min of |x|; 0: the non-zero count)."""
+    out = _dt(node)
+    if x.dtype.is_complex or not out.is_floating_point:
+        raise Unsupported(f"linalg_vector_norm of {x.dtype} to {out}")
+    acc = acc_type(out)
+    d = _dims(x, dim)
+    p = float(ord)
+    xa = _map([x], lambda e: cast(e, acc), acc)
+    if p in (float("inf"), float("-inf")):
+        mag = _map([xa], lambda e: _op("abs", acc, e), acc)
+        r = ctx.reduce("max" if p > 0 else "min", mag, d, True, acc, what=str(node.target))
+    elif p == 0:
+        nz = _map([xa], lambda e: cast(_op("ne", torch.bool, e, Const(acc, 0.0)), acc), acc)
+        r = ctx.reduce("sum", nz, d, True, acc, what=str(node.target))
+    elif p == 1:
+        mag = _map([xa], lambda e: _op("abs", acc, e), acc)
+        r = ctx.reduce("sum", mag, d, True, acc, what=str(node.target))
+    elif p == 2:
+        sq = _map([xa], lambda e: _op("mul", acc, e, e), acc)
+        s2 = ctx.reduce("sum", sq, d, True, acc, what=str(node.target))
+        r = _map([s2], lambda e: _op("sqrt", acc, e), acc)
+    else:
+        powed = _map([xa], lambda e: _op("pow", acc, _op("abs", acc, e), Const(acc, p)), acc)
+        sp = ctx.reduce("sum", powed, d, True, acc, what=str(node.target))
+        r = _map([sp], lambda e: _op("pow", acc, e, Const(acc, 1.0 / p)), acc)
+    return _keep(_map([r], lambda e: cast(e, out), out), x, d, keepdim)
+
+
 @rule(aten.var.correction, _maybe("var", "dim"), aten.std.correction, _maybe("std", "dim"))
 def _var_rule(ctx, node, x, dims=None, *args, correction=None, keepdim=False, unbiased=None):
     if node.target._overloadname == "dim":

@@ -192,6 +192,14 @@ REDUCTIONS = [
     _c("red_sum_dtype", lambda a: a.sum(-1, dtype=torch.float64), X),
     _c("red_f16_sum", lambda a: a.sum(-1), XH, atol=1e-2),
     _c("red_logsumexp", lambda a: torch.logsumexp(a, -1), X),
+    # linalg_vector_norm (F.normalize, torch.norm): every order ATen special-cases, and p=3
+    _c("red_vector_norm_l2", lambda a: F.normalize(a, dim=-1), X),
+    _c("red_vector_norm_orders", lambda a: (torch.linalg.vector_norm(a, 1, -1),
+                                            torch.linalg.vector_norm(a, float("-inf"), 1),
+                                            torch.linalg.vector_norm(a.relu(), 0, -1),
+                                            torch.linalg.vector_norm(a, 3, -1)), X),
+    _c("red_vector_norm_inf_first", lambda a: torch.linalg.vector_norm(a, float("inf"), 0, keepdim=True), X3),
+    _c("red_vector_norm_all_f16", lambda a: torch.linalg.vector_norm(a), XH, atol=1e-2),
     _c("red_logsumexp_middle", lambda a: torch.logsumexp(a, 1, keepdim=True), X3),
     _c("red_mean_4d_spatial", lambda a: a.mean((2, 3)), X4),
     # several reduced indices: vector chunks along the innermost when its extent allows
