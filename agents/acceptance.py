@@ -31,6 +31,7 @@ from stitch_backend.regions import constant_inputs
 
 from .hotspots import Hotspots
 from .hotspots import measure as measure_hotspots
+from .samples import Sampler, Samples, byte_budget, capture, first_run
 from .state import Attempt, Candidate, Trajectory, Verdict
 from .ties import settle as settle_ties
 from .unused_outputs import unused_rng_outputs
@@ -63,10 +64,11 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
                       trajectory: Trajectory | None = None,
                       on_done: Callable[[Program], None] | None = None,
                       make_runner: Callable[[Any], Any] | None = None,
-                      extras: Callable[[Hotspots | None], None] | None = None,
+                      extras: Callable[[Hotspots | None, Sampler], None] | None = None,
                       show_progress: bool = False) -> Any:
     """Measure ``program``'s regions on ATen for ``inputs`` (``hotspots``), let ``extras``
-    add candidates knowing those times (the LLM Coder), then run it on ATen once more,
+    add candidates knowing those times and able to sample chosen regions' real values
+    (the LLM Coder, ``agents.samples``), then run it on ATen once more,
     verify and install its pending candidates, check the whole Program, and return the
     ATen outputs. ``make_runner(candidate)`` builds the callable that runs a candidate
     (default: load its cubin on the GPU). ``show_progress``: a progress bar over the
@@ -76,7 +78,7 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
     make_runner = make_runner or runner_for
     spots = _hotspots(program, inputs)
     if extras is not None:
-        extras(spots)
+        extras(spots, _sampler(program, inputs))
 
     pending = dict(program.pending)
     program.pending = {}
@@ -212,6 +214,18 @@ def _without_unused(program: Program, got: list[Any], reference: Any) -> list[An
     return got
 
 
+def _sampler(program: Program, inputs: list[Any]) -> Sampler:
+    """Chosen regions' real values (``samples.capture``), the generators put back."""
+    def sample(region_ids: Sequence[int]) -> Samples:
+        rng = _RngState()
+        try:
+            return capture(program, inputs, region_ids, max_bytes=byte_budget(inputs))
+        finally:
+            rng.restore()
+
+    return sample
+
+
 def _hotspots(program: Program, inputs: list[Any]) -> Hotspots | None:
     """The regions' ATen times on ``inputs``, also kept as each region's ``aten_ms``
     (None, with the reason in the graph's notes, where the measurement failed: the
@@ -258,22 +272,13 @@ def _first_run_elsewhere(cand: Candidate, inputs: list[Any],
     """None when ``cand``'s first run in a child process matched ATen; else why not."""
     from stitch_backend import config as config_mod
 
-    from .sandbox import first_run_in_child
-
     if cand.cubin is None or cand.kernel is None or cand.stages is not None:
         return "untrusted candidate without a single compiled kernel"
     if not any(isinstance(x, torch.Tensor) and x.is_cuda for x in inputs):
         return "untrusted candidates run only on CUDA inputs"
-    plan = cand.kernel.prepare(inputs)
-    res = first_run_in_child(cand.source, cand.kernel.entry, cand.kernel.signature, inputs,
-                             plan, arch="", cubin=cand.cubin,
-                             timeout_s=float(config_mod.current().llm_sandbox_timeout_s))
-    if not res.ok:
-        return f"first run in a child process: {res.reason}"
-    cmp = compare(res.outputs, list(eager_outs), None)
-    if not cmp.ok_design:
-        return f"first run in a child process: wrong result: {cmp.reason}"
-    return None
+    run = first_run(cand, inputs, eager_outs,
+                    timeout_s=float(config_mod.current().llm_sandbox_timeout_s))
+    return None if run.ok else f"first run in a child process: {run.reason}"
 
 
 def _faster(a: Verdict, b: Verdict) -> bool:

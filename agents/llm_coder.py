@@ -9,9 +9,11 @@ first run or a wrong result -> repair; correct but slow -> optimise with the mea
 times; ok -> done. A Budget (model calls, tokens, wall seconds) bounds it
 (LimitsExceeded). Each step is appended to the Trajectory (and its JSONL file at once).
 
-``evaluate(candidate) -> Feedback`` is the caller's: at compile time it screens and
-compiles in a child process (``screen_and_compile``); with real inputs it may also run
-and verify. A candidate never replaces the template's; the Verifier treats it as
+``evaluate(candidate) -> Feedback`` is the caller's: it screens and compiles in a child
+process (``screen_and_compile``) and, where the region's real values from the first
+call are at hand (``agents.samples``), launches the compiled kernel once on them in a
+child process and compares with ATen (``screen_compile_and_run``): a fault or a hang is
+"run" feedback, a result beyond DESIGN.md's rule is "wrong". A candidate never replaces the template's; the Verifier treats it as
 untrusted.
 """
 
@@ -312,5 +314,32 @@ def screen_and_compile(arch: str, *, timeout_s: float = 120.0,
             return Feedback("run", f"compiling it failed: {res.reason}", res.log)
         cand.cubin, cand.compile_s = res.cubin, res.compile_s
         return Feedback("ok", "compiled")
+
+    return evaluate
+
+
+def screen_compile_and_run(arch: str, samples: dict[int, Any], *, timeout_s: float = 120.0,
+                           child: list[str] | None = None) -> Evaluate:
+    """``screen_and_compile``, then, for a region with a sample (``samples``: region id
+    -> ``agents.samples.RegionSample``), one launch of the compiled candidate on the
+    sample's inputs in a child process, compared with its ATen outputs."""
+    from .samples import first_run
+
+    compiled = screen_and_compile(arch, timeout_s=timeout_s, child=child)
+
+    def evaluate(cand: Candidate) -> Feedback:
+        feedback = compiled(cand)
+        sample = samples.get(cand.region_id)
+        if feedback.kind != "ok" or sample is None:
+            return feedback
+        run = first_run(cand, sample.inputs, sample.outputs, timeout_s=timeout_s, child=child)
+        if run.kind == "run":
+            return Feedback("run", "it compiled, but its first run on the region's real "
+                            f"inputs failed: {run.reason}", run.log)
+        if run.kind == "wrong":
+            return Feedback("wrong", "it compiled and ran, but on the region's real inputs "
+                            f"its {run.reason}")
+        return Feedback("ok", "compiled; its first run on the region's real inputs matched "
+                        "ATen")
 
     return evaluate

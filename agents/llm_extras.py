@@ -6,6 +6,10 @@ a child process, repair), regions in parallel. It runs at the Program's first ca
 ``agents.hotspots`` has timed every region on the real inputs: the slowest regions go
 first, and those outside the hottest ``llm_hot_percent`` of the graph's time are left
 out (said in the graph's notes), so model calls are spent where the time is. What comes
+Before the loop, one more run on ATen keeps the chosen regions' real values
+(``agents.samples``, bounded in memory): a candidate that compiles is launched once on
+them in a child process, so a wrong result or a fault goes back to the model as a repair
+prompt within the loop, not only to the Verifier afterwards. What comes
 out is attached to the template candidate as ``alternatives``; acceptance runs each
 first in a child process, then through the Verifier, and the fastest verified candidate
 wins. Nothing here replaces or delays a template candidate beyond the loop's budget, and
@@ -24,6 +28,7 @@ from stitch_backend import progress
 from stitch_backend.logs import warn_once
 
 from .hotspots import Hotspots
+from .samples import Sampler, Samples
 from .state import Candidate, Subtask, Task, Trajectory
 
 log = logging.getLogger("stitch_backend.agents.llm_extras")
@@ -53,17 +58,19 @@ def eligible(templates: dict[int, Candidate], subtasks: dict[int, Subtask]) -> l
 def first_call_extras(task: Task, subtasks: dict[int, Subtask],
                       templates: dict[int, Candidate], *, arch: str, cfg: Any,
                       trajectory: Trajectory, notes: list[str],
-                      client: Any = None) -> Callable[[Hotspots | None], None] | None:
-    """The hook ``acceptance.verify_first_call`` calls with the measured hotspots: the LLM
-    Coder's candidates for the hottest eligible regions, slowest first (once; a Program
-    verified again for a new shape keeps what the first call added). None when the
-    settings do not ask for LLM candidates or no region is eligible."""
+                      client: Any = None,
+                      ) -> Callable[[Hotspots | None, Sampler | None], None] | None:
+    """The hook ``acceptance.verify_first_call`` calls with the measured hotspots and a
+    sampler of regions' real values: the LLM Coder's candidates for the hottest eligible
+    regions, slowest first, each candidate run on its region's sample where one was kept
+    (once; a Program verified again for a new shape keeps what the first call added).
+    None when the settings do not ask for LLM candidates or no region is eligible."""
     regions = eligible(templates, subtasks)
     if (client is None and not wanted(cfg)) or not regions:
         return None
     done: list[bool] = []
 
-    def add(spots: Hotspots | None) -> None:
+    def add(spots: Hotspots | None, sample: Sampler | None = None) -> None:
         if done:
             return
         done.append(True)
@@ -74,8 +81,10 @@ def first_call_extras(task: Task, subtasks: dict[int, Subtask],
                          f"slowest first, covering {cfg.llm_hot_percent}% of their ATen "
                          "time at the first call; the others keep the template's kernel")
         try:
+            samples = _samples(sample, chosen, notes)
             llm_candidates(task, subtasks, templates, arch=arch, cfg=cfg,
-                           trajectory=trajectory, client=client, regions=chosen)
+                           trajectory=trajectory, client=client, regions=chosen,
+                           samples=samples)
         except Exception as err:  # noqa: BLE001 - the optional Coder must not break the model
             from stitch_backend.config import llm_api_key
 
@@ -87,15 +96,31 @@ def first_call_extras(task: Task, subtasks: dict[int, Subtask],
     return add
 
 
+def _samples(sample: Sampler | None, chosen: list[int], notes: list[str]) -> Samples:
+    """The chosen regions' real values (none without a sampler), with a note for those
+    left out for their size."""
+    if sample is None:
+        return Samples()
+    got = sample(chosen)
+    if got.left_out:
+        notes.append(f"LLM Coder: {len(got.left_out)} region(s) too large to keep their "
+                     f"first-call values (e.g. region {got.left_out[0]}): their candidates "
+                     "get compile feedback only before the Verifier runs them")
+    return got
+
+
 def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int, Candidate],
                    *, arch: str, cfg: Any, trajectory: Trajectory, client: Any = None,
-                   regions: Sequence[int] | None = None) -> dict[int, list[Candidate]]:
+                   regions: Sequence[int] | None = None, samples: Samples | None = None,
+                   child: list[str] | None = None) -> dict[int, list[Candidate]]:
     """Compiled LLM candidates per region id, also attached to ``templates[rid]`` as
     ``alternatives``, for ``regions`` (in that order; default: every eligible one, in
-    graph order). Empty when the settings do not ask for them or no client can be
-    made. ``client`` overrides the one the settings describe (tests)."""
+    graph order). A region with a sample in ``samples`` gets its candidates run on it
+    (``llm_coder.screen_compile_and_run``). Empty when the settings do not ask for them
+    or no client can be made. ``client`` and ``child`` (the sandbox's child command)
+    override the defaults (tests)."""
     from .llm import LLMUnavailable, client_from_config
-    from .llm_coder import Budget, LLMCoder, screen_and_compile
+    from .llm_coder import Budget, LLMCoder, screen_compile_and_run
 
     if client is None:
         if not wanted(cfg):
@@ -109,7 +134,8 @@ def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int
                     seconds=float(cfg.llm_budget_s))
     coder = LLMCoder(client, budget, arch=arch, trajectory=trajectory,
                      trajectory_path=trajectory_path(cfg, task))
-    evaluate = screen_and_compile(arch, timeout_s=float(cfg.llm_sandbox_timeout_s))
+    evaluate = screen_compile_and_run(arch, (samples or Samples()).regions,
+                                      timeout_s=float(cfg.llm_sandbox_timeout_s), child=child)
     allowed = set(eligible(templates, subtasks))
     order = [rid for rid in (regions if regions is not None else sorted(allowed))
              if rid in allowed]

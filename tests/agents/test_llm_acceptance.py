@@ -1,5 +1,6 @@
 """End to end on a GPU: an LLM candidate (here the scripted endpoint echoes the template
-kernel back) is compiled in a child, first run in a child, verified, and timed against
+kernel back) is compiled in a child, run in a child on its region's first-call values
+within the loop, first run in a child again at acceptance, verified, and timed against
 the template; the fastest verified one runs, and the cache keeps template kernels only."""
 
 from __future__ import annotations
@@ -50,5 +51,8 @@ def test_llm_candidates_are_sandboxed_verified_and_raced(llm_server, llm_secret,
     llm_verdicts = [a.verdict for a in attempts
                     if a.action == "verify" and a.candidate.origin == "llm"]
     assert llm_verdicts and all(v.correct for v in llm_verdicts), llm_verdicts
+    # within the loop, each compiled candidate already ran once on its region's real values
+    evaluated = [a.feedback for a in attempts if a.action == "evaluate"]
+    assert evaluated and all("real inputs matched ATen" in f for f in evaluated), evaluated
     regions = [r for rec in backend.records for r in rec.plan.regions if r.backend == "kernel"]
     assert regions and all(r.kernel for r in regions)
