@@ -318,28 +318,50 @@ def screen_and_compile(arch: str, *, timeout_s: float = 120.0,
     return evaluate
 
 
+# A correct candidate whose launch the child timed this much slower than the template's
+# gets "slow" feedback (the optimise prompt) instead of "ok". Only clearly slower: two
+# equal kernels differ by noise in a short timing, and the Verifier decides the race.
+SLOW_MARGIN = 0.05
+
+
 def screen_compile_and_run(arch: str, samples: dict[int, Any], *, timeout_s: float = 120.0,
+                           templates: dict[int, Candidate] | None = None,
                            child: list[str] | None = None) -> Evaluate:
     """``screen_and_compile``, then, for a region with a sample (``samples``: region id
     -> ``agents.samples.RegionSample``), one launch of the compiled candidate on the
-    sample's inputs in a child process, compared with its ATen outputs."""
+    sample's inputs in a child process, compared with its ATen outputs; where the
+    region's template (``templates``) has a cubin, the child also times the two, and a
+    candidate more than ``SLOW_MARGIN`` slower gets "slow" feedback with the times."""
     from .samples import first_run
 
     compiled = screen_and_compile(arch, timeout_s=timeout_s, child=child)
+    templates = templates or {}
 
     def evaluate(cand: Candidate) -> Feedback:
         feedback = compiled(cand)
         sample = samples.get(cand.region_id)
         if feedback.kind != "ok" or sample is None:
             return feedback
-        run = first_run(cand, sample.inputs, sample.outputs, timeout_s=timeout_s, child=child)
+        template = templates.get(cand.region_id)
+        run = first_run(cand, sample.inputs, sample.outputs, timeout_s=timeout_s,
+                        time_against=template.cubin if template is not None else None,
+                        child=child)
         if run.kind == "run":
             return Feedback("run", "it compiled, but its first run on the region's real "
                             f"inputs failed: {run.reason}", run.log)
         if run.kind == "wrong":
             return Feedback("wrong", "it compiled and ran, but on the region's real inputs "
                             f"its {run.reason}")
+        timed = run.candidate_ms is not None and run.baseline_ms is not None
+        if timed and run.candidate_ms > run.baseline_ms * (1 + SLOW_MARGIN):
+            return Feedback("slow", "correct on the region's real inputs, but slower than "
+                            f"the template kernel: {run.candidate_ms:.4f} ms against "
+                            f"{run.baseline_ms:.4f} ms a launch", eager_ms=sample.aten_ms,
+                            template_ms=run.baseline_ms, candidate_ms=run.candidate_ms)
+        said = (f" ({run.candidate_ms:.4f} ms a launch, the template {run.baseline_ms:.4f} ms)"
+                if timed else "")
         return Feedback("ok", "compiled; its first run on the region's real inputs matched "
-                        "ATen")
+                        f"ATen{said}", candidate_ms=run.candidate_ms,
+                        template_ms=run.baseline_ms)
 
     return evaluate

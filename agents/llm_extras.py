@@ -116,9 +116,9 @@ def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int
     """Compiled LLM candidates per region id, also attached to ``templates[rid]`` as
     ``alternatives``, for ``regions`` (in that order; default: every eligible one, in
     graph order). A region with a sample in ``samples`` gets its candidates run on it
-    (``llm_coder.screen_compile_and_run``). Empty when the settings do not ask for them
-    or no client can be made. ``client`` and ``child`` (the sandbox's child command)
-    override the defaults (tests)."""
+    and timed against its template there (``llm_coder.screen_compile_and_run``). Empty
+    when the settings do not ask for them or no client can be made. ``client`` and
+    ``child`` (the sandbox's child command) override the defaults (tests)."""
     from .llm import LLMUnavailable, client_from_config
     from .llm_coder import Budget, LLMCoder, screen_compile_and_run
 
@@ -135,7 +135,8 @@ def llm_candidates(task: Task, subtasks: dict[int, Subtask], templates: dict[int
     coder = LLMCoder(client, budget, arch=arch, trajectory=trajectory,
                      trajectory_path=trajectory_path(cfg, task))
     evaluate = screen_compile_and_run(arch, (samples or Samples()).regions,
-                                      timeout_s=float(cfg.llm_sandbox_timeout_s), child=child)
+                                      timeout_s=float(cfg.llm_sandbox_timeout_s),
+                                      templates=templates, child=child)
     allowed = set(eligible(templates, subtasks))
     order = [rid for rid in (regions if regions is not None else sorted(allowed))
              if rid in allowed]

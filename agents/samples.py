@@ -39,6 +39,7 @@ class RegionSample:
 
     inputs: list[Any]
     outputs: list[Any]
+    aten_ms: float | None = None      # the region's ATen time at the first call (hotspots)
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +67,8 @@ class FirstRun:
     kind: str
     reason: str
     log: str = ""
+    candidate_ms: float | None = None   # with ``time_against``: median ms of a launch
+    baseline_ms: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -96,7 +99,7 @@ def capture(program: Any, inputs: Sequence[Any], region_ids: Sequence[int], *,
         rid = step.region.id
         if rid not in rank:
             return
-        got.regions[rid] = RegionSample(list(step_inputs), list(outs))
+        got.regions[rid] = RegionSample(list(step_inputs), list(outs), step.region.aten_ms)
         if max_bytes is None:
             return
         held = sum(s.nbytes for s in got.regions.values())
@@ -112,9 +115,12 @@ def capture(program: Any, inputs: Sequence[Any], region_ids: Sequence[int], *,
 
 
 def first_run(cand: Candidate, inputs: Sequence[Any], expected: Sequence[Any], *,
-              timeout_s: float, child: Sequence[str] | None = None) -> FirstRun:
+              timeout_s: float, time_against: bytes | None = None,
+              child: Sequence[str] | None = None) -> FirstRun:
     """Launch ``cand`` (compiled: its cubin) once on ``inputs`` in a child process, by its
-    template's launch rule, and compare its outputs with ``expected`` (ATen's)."""
+    template's launch rule, and compare its outputs with ``expected`` (ATen's). With
+    ``time_against`` (the template's cubin), a correct candidate is also timed against
+    it there (``candidate_ms``, ``baseline_ms``)."""
     from .sandbox import first_run_in_child
 
     if cand.cubin is None or cand.kernel is None or cand.stages is not None:
@@ -122,10 +128,12 @@ def first_run(cand: Candidate, inputs: Sequence[Any], expected: Sequence[Any], *
     plan = cand.kernel.prepare(list(inputs))
     res = first_run_in_child(cand.source, cand.kernel.entry, cand.kernel.signature,
                              list(inputs), plan, arch="", cubin=cand.cubin,
-                             timeout_s=timeout_s, child=child)
+                             timeout_s=timeout_s, time_against=time_against, child=child)
     if not res.ok:
         return FirstRun("run", res.reason, res.log)
     cmp = compare(res.outputs, list(expected), None)
     if not cmp.ok_design:
         return FirstRun("wrong", f"wrong result: {cmp.reason}")
-    return FirstRun("ok", "matched ATen")
+    times = res.times or {}
+    return FirstRun("ok", "matched ATen", candidate_ms=times.get("candidate"),
+                    baseline_ms=times.get("baseline"))

@@ -10,6 +10,12 @@ stitch_backend.agents.sandbox JOB``) compiles with ``toolchain.compile_cubin``, 
 tensors, synchronises and writes the outputs back; the parent compares them. The child
 gets no API keys in its environment, runs in its own session, and is killed with its
 whole process group (nvcc included) when the timeout passes.
+
+A run may also be timed (``time_against``: a trusted cubin with the same entry, launched
+the same way, i.e. the template's): after the checked first launch, the two kernels are
+launched in turn, each launch timed by CUDA events, and the medians come back in
+``SandboxResult.times``. Advice for the LLM Coder's loop ("slow" feedback); the
+Verifier's timing is what decides.
 """
 
 from __future__ import annotations
@@ -62,6 +68,8 @@ class SandboxResult:
     compile_s: float | None = None
     seconds: float = 0.0
     outputs: list[Any] | None = field(default=None, repr=False)
+    # With ``time_against``: median ms of a launch, {"candidate": .., "baseline": ..}.
+    times: dict[str, float] | None = None
 
 
 # --------------------------------------------------------------------------- the child process
@@ -202,12 +210,15 @@ def compile_in_child(source: str, entry: str, arch: str, *, timeout_s: float = 1
 
 def first_run_in_child(source: str, entry: str, signature: str, inputs: Sequence[Any],
                        plan: Any, *, arch: str, timeout_s: float = 120.0,
-                       cubin: bytes | None = None,
+                       cubin: bytes | None = None, time_against: bytes | None = None,
+                       timed_launches: int = 20,
                        child: Sequence[str] | None = None) -> SandboxResult:
     """Compile (unless ``cubin`` is given) and launch untrusted ``source`` once in a
     child process, with copies of ``inputs`` and the launch ``plan`` that the template
     kernel's launch rule made for them (``FusedKernel.prepare(inputs)``); ``outputs``
-    come back on the inputs' device, NaN-poisoned before the launch."""
+    come back on the inputs' device, NaN-poisoned before the launch. With
+    ``time_against`` (a trusted cubin of the same entry), both are then timed over
+    ``timed_launches`` launches each (``times``)."""
     import torch
 
     device = next((x.device for x in inputs if isinstance(x, torch.Tensor)),
@@ -215,8 +226,12 @@ def first_run_in_child(source: str, entry: str, signature: str, inputs: Sequence
     job: dict[str, Any] = {"mode": "run", "entry": entry, "arch": arch,
                            "signature": signature, "device": device.index or 0}
     job["launch"] = launch_spec(plan, inputs, signature)
+    if time_against is not None:
+        job["time"] = {"baseline": "baseline.cubin", "launches": int(timed_launches)}
 
     def write_tensors(folder: Path) -> None:
+        if time_against is not None:
+            (folder / "baseline.cubin").write_bytes(time_against)
         for kind, values in (("input", inputs), ("output", plan.outputs),
                              ("scratch", plan.scratch)):
             job[kind] = [save_tensor(x, folder / f"{kind}{i}.bin", data=kind != "output")
@@ -249,7 +264,7 @@ def _run_job(job: dict[str, Any], source: str, timeout_s: float, *,
         res = json.loads(result_path.read_text())
         out = SandboxResult(bool(res["ok"]), res["stage"], res["reason"],
                             log=res.get("log", ""), compile_s=res.get("compile_s"),
-                            seconds=outcome.seconds)
+                            seconds=outcome.seconds, times=res.get("times"))
         if (folder / "kernel.cubin").is_file():
             out.cubin = (folder / "kernel.cubin").read_bytes()
         if out.ok and job["mode"] == "run":
@@ -289,17 +304,18 @@ def child_main(folder: Path) -> int:
         _write_result(folder, ok=True, stage="ok", reason="compiled", compile_s=compile_s)
         return 0
     try:
-        outputs = _launch(folder, job, cubin)
+        outputs, times = _launch(folder, job, cubin)
     except Exception as err:  # noqa: BLE001 - whatever the kernel did is the verdict
         _write_result(folder, ok=False, stage="run", compile_s=compile_s,
                       reason=f"first run failed: {type(err).__name__}: {err}")
         return 0
     _write_result(folder, ok=True, stage="ok", reason="ran", compile_s=compile_s,
-                  outputs=outputs)
+                  outputs=outputs, times=times)
     return 0
 
 
-def _launch(folder: Path, job: dict[str, Any], cubin: bytes) -> list[dict[str, Any]]:
+def _launch(folder: Path, job: dict[str, Any],
+            cubin: bytes) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
     import torch
 
     from stitch_backend.cuda_driver import CudaModule
@@ -324,11 +340,39 @@ def _launch(folder: Path, job: dict[str, Any], cubin: bytes) -> list[dict[str, A
             args.append(0)
         else:
             args.append(tensors[ref[0]][ref[1]].data_ptr())
-    module = CudaModule(cubin)
-    fn = module.function(job["entry"], job["signature"])
-    fn.launch(tuple(launch["grid"]), tuple(launch["block"]), args, launch["shared_mem"])
+    shape = (tuple(launch["grid"]), tuple(launch["block"]), args, launch["shared_mem"])
+    fn = CudaModule(cubin).function(job["entry"], job["signature"])
+    fn.launch(*shape)
     torch.cuda.synchronize()
-    return [save_tensor(x, folder / f"result{i}.bin") for i, x in enumerate(tensors["output"])]
+    outputs = [save_tensor(x, folder / f"result{i}.bin") for i, x in enumerate(tensors["output"])]
+    if "time" not in job:
+        return outputs, None
+    baseline = CudaModule((folder / job["time"]["baseline"]).read_bytes()).function(
+        job["entry"], job["signature"])
+    return outputs, _time({"candidate": fn, "baseline": baseline}, shape,
+                          job["time"]["launches"])
+
+
+def _time(fns: dict[str, Any], shape: tuple, launches: int) -> dict[str, float]:
+    """Median ms of one launch of each of ``fns``, launched in turn (two warm-ups each)."""
+    import statistics
+
+    import torch
+
+    for fn in fns.values():
+        for _ in range(2):
+            fn.launch(*shape)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(launches):
+        for name, fn in fns.items():
+            start.record()
+            fn.launch(*shape)
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 that compiles is run once on its region's real values in the sandbox's child process,
 so a wrong result or a fault goes back to the model as a repair prompt.
 
-The child here is a stand-in (no GPU on CI): it "compiles" to a fake cubin, and "runs"
-by computing the region's result with torch, right or wrong as the source says."""
+The child here is a stand-in (no GPU on CI): it "compiles" to a fake cubin, "runs" by
+computing the region's result with torch, right or wrong as the source says, and
+"times" the candidate against the template as the source says."""
 
 from __future__ import annotations
 
@@ -31,8 +32,13 @@ if job["mode"] == "compile":
 if "// crash" in source:
     os.abort()
 x, y = [load_tensor(m, folder, "cpu") for m in job["input"]]
-out = torch.relu(x) * y + 1.0 if "// fixed" in source else torch.zeros_like(x)
-_write_result(folder, ok=True, stage="ok", reason="ran",
+right = "// fixed" in source or "// slow" in source
+out = torch.relu(x) * y + 1.0 if right else torch.zeros_like(x)
+times = None
+if "time" in job:
+    assert (folder / job["time"]["baseline"]).read_bytes() == b"template cubin"
+    times = {"candidate": 2.0 if "// slow" in source else 0.9, "baseline": 1.0}
+_write_result(folder, ok=True, stage="ok", reason="ran", times=times,
               outputs=[save_tensor(out, folder / "result0.bin")])
 """
 
@@ -149,7 +155,8 @@ def _fenced(source: str) -> str:
     return f"Here it is.\n```cuda\n{source}```\n"
 
 
-def _loop(llm_client, llm_server, template, *replies: str, samples: dict):
+def _loop(llm_client, llm_server, template, *replies: str, samples: dict,
+          templates: dict | None = None):
     """The LLM Coder's loop on the pointwise region, the model answering the template with
     each of ``replies`` appended, evaluated by ``screen_compile_and_run`` and the stand-in
     child: (accepted candidates, each evaluation's feedback line)."""
@@ -158,7 +165,7 @@ def _loop(llm_client, llm_server, template, *replies: str, samples: dict):
 
     sub, template = template
     llm_server.reply(*[_fenced(template.source + r) for r in replies])
-    evaluate = screen_compile_and_run("sm_90a", samples, timeout_s=60,
+    evaluate = screen_compile_and_run("sm_90a", samples, timeout_s=60, templates=templates,
                                       child=[PY, "-c", FAKE_CHILD])
     task = Task(graph="g", key="0" * 64, arch="sm_90a", device="cuda")
     coder = LLMCoder(llm_client, Budget(iterations=3), trajectory=Trajectory(task))
@@ -190,3 +197,20 @@ def test_without_a_sample_the_loop_gets_compile_feedback_only(llm_server, llm_cl
     got, feedback = _loop(llm_client, llm_server, pointwise_region, "// first\n", samples={})
     assert len(llm_server.requests) == 1 and feedback == ["ok: compiled"]
     assert [c.source for c in got] == [template.source + "// first\n"]
+
+
+def test_a_correct_but_clearly_slower_candidate_is_asked_to_optimise(llm_server, llm_client,
+                                                                     pointwise_region):
+    import dataclasses
+
+    sub, template = pointwise_region
+    sample = _sample(template)
+    sample.aten_ms = 1.5
+    compiled = {sub.region_id: dataclasses.replace(template, cubin=b"template cubin")}
+    got, feedback = _loop(llm_client, llm_server, pointwise_region, "// slow\n",
+                          "// fixed\n", samples={sub.region_id: sample}, templates=compiled)
+    assert feedback[0].startswith("slow:") and "2.0000 ms against 1.0000 ms" in feedback[0]
+    optimise = llm_server.prompts[1]
+    assert all(ms in optimise for ms in ("1.5000", "1.0000", "2.0000")), optimise
+    assert feedback[1].startswith("ok:") and "0.9000 ms a launch" in feedback[1]
+    assert [c.source for c in got] == [template.source + "// fixed\n"]

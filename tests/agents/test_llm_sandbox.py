@@ -130,6 +130,22 @@ def test_first_run_in_the_child_matches_eager(pointwise_region):
 
 
 @pytest.mark.gpu
+def test_the_child_times_the_candidate_against_a_baseline_cubin(pointwise_region):
+    from stitch_backend.toolchain import compile_cubin
+
+    template, inputs, arch = _gpu_case(pointwise_region)
+    baseline = compile_cubin(template.source, template.kernel.entry, arch).cubin
+    plan = template.kernel.prepare(inputs)
+    res = first_run_in_child(template.source + "// v2\n", template.kernel.entry,
+                             template.kernel.signature, inputs, plan, arch=arch,
+                             time_against=baseline, timed_launches=5)
+    assert res.ok, res.reason
+    assert set(res.times) == {"candidate", "baseline"} and all(
+        0 < ms < 100 for ms in res.times.values()), res.times
+    torch.testing.assert_close(res.outputs[0], torch.relu(inputs[0]) * inputs[1] + 1.0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("body,stage", [
     ("  if (threadIdx.x == 0) out0[1 << 30] = 1.0f;\n", "run"),          # illegal address
     ("  while (true) { __threadfence(); }\n", "timeout"),                 # a hang
