@@ -321,7 +321,9 @@ def screen_and_compile(arch: str, *, timeout_s: float = 120.0,
 # A correct candidate whose launch the child timed this much slower than the template's
 # gets "slow" feedback (the optimise prompt) instead of "ok". Only clearly slower: two
 # equal kernels differ by noise in a short timing, and the Verifier decides the race.
+# SLOW_FLOOR_MS on top: a few-microsecond kernel's events jitter by more than 5%.
 SLOW_MARGIN = 0.05
+SLOW_FLOOR_MS = 0.002
 
 
 def screen_compile_and_run(arch: str, samples: dict[int, Any], *, timeout_s: float = 120.0,
@@ -331,7 +333,8 @@ def screen_compile_and_run(arch: str, samples: dict[int, Any], *, timeout_s: flo
     -> ``agents.samples.RegionSample``), one launch of the compiled candidate on the
     sample's inputs in a child process, compared with its ATen outputs; where the
     region's template (``templates``) has a cubin, the child also times the two, and a
-    candidate more than ``SLOW_MARGIN`` slower gets "slow" feedback with the times."""
+    candidate clearly slower (``SLOW_MARGIN``, ``SLOW_FLOOR_MS``) gets "slow" feedback
+    with the times."""
     from .samples import first_run
 
     compiled = screen_and_compile(arch, timeout_s=timeout_s, child=child)
@@ -353,7 +356,7 @@ def screen_compile_and_run(arch: str, samples: dict[int, Any], *, timeout_s: flo
             return Feedback("wrong", "it compiled and ran, but on the region's real inputs "
                             f"its {run.reason}")
         timed = run.candidate_ms is not None and run.baseline_ms is not None
-        if timed and run.candidate_ms > run.baseline_ms * (1 + SLOW_MARGIN):
+        if timed and run.candidate_ms > run.baseline_ms * (1 + SLOW_MARGIN) + SLOW_FLOOR_MS:
             return Feedback("slow", "correct on the region's real inputs, but slower than "
                             f"the template kernel: {run.candidate_ms:.4f} ms against "
                             f"{run.baseline_ms:.4f} ms a launch", eager_ms=sample.aten_ms,
