@@ -120,22 +120,30 @@ def test_a_training_step_is_replayed_though_cudnn_adds_in_varying_order():
     bit repeatable) keeps its replay, judged by tolerance against an uncaptured run; its
     forward, which returns its input and weights for the backward, is captured too
     (handing over views of the caller's tensors); every step's gradients stay eager's
-    (a new batch each step: a saved input must be this step's, not the graph's copy)."""
+    (a new batch each step: a saved input must be this step's, not the graph's copy),
+    judged by DESIGN.md's rule against an fp64 copy: on the H100 (first run of this test)
+    the first conv's weight gradient differed from eager's by up to 0.004 at 16 of 9216
+    elements, every run alike (TF32 convolutions, and our BatchNorm backward summing in
+    another order), beyond a fixed 1e-3."""
+    from stitch_backend.correctness import compare
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(16, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
         torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU()).cuda()
-    ref = copy.deepcopy(model)
+    ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     backend = StitchBackend(options={"cudagraphs_training": True, "eager_guard": False})
     compiled = torch.compile(model, backend=backend)
-    for _ in range(6):   # verification, warm-up, first replay (checked, timed), replays
+    for step in range(6):   # verification, warm-up, first replay (checked, timed), replays
         x = torch.randn(8, 16, 32, 32, device="cuda")
-        for m in (model, ref):
+        for m in (model, ref, ref64):
             m.zero_grad(set_to_none=True)
         compiled(x).square().sum().backward()
         ref(x).square().sum().backward()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-3)
+        ref64(x.double()).square().sum().backward()
+        grads = [[p.grad for p in m.parameters()] for m in (model, ref, ref64)]
+        cmp = compare(*grads)
+        assert cmp.ok_design, f"step {step}: {cmp.reason}"
     backward = next(r for r in backend.records if r.stage == "backward")
     replay = backward.program.replay
     assert replay is not None and replay.disabled is None, backward.notes
