@@ -30,6 +30,8 @@ code_log = logging.getLogger("stitch_backend.codegen.source")
 
 POINTWISE_THREADS = 256
 MAX_THREADS = 1024
+# Above this many threads a row at 4 chunks each, a row gets 8 chunks a thread instead.
+LONG_ROW_TK = 512
 SERIAL_THREADS = 256             # reductions of short rows, one thread a row
 RESIDENT_THREADS_PER_SM = 2048  # H100/H200; used only to size grid-stride grids
 INT32_MAX = 2 ** 31 - 1
@@ -200,7 +202,15 @@ class FusedKernel:
             return max(min(_cdiv(max(rows, 1), threads), MAX_ROW_BLOCKS), 1), threads, 0
         if em.layout == "inner":
             chunks = _cdiv(reduce_len, em.vec)
-            tk = min(MAX_THREADS, em.max_threads, _pow2_at_least(max(1, _cdiv(chunks, 4))))
+            tk = _pow2_at_least(max(1, _cdiv(chunks, 4)))
+            if tk > LONG_ROW_TK:
+                # Long rows: 8 chunks a thread rather than 4. On an H100 (kb/tune/rownorm.py,
+                # one run), instance norm rows of 126*126 fp32 (L2 17's (128, 128) images)
+                # took 0.772 ms at 512 threads a row against 0.948 at 1024 (eager 2.134);
+                # group norm rows of 32768 were fastest at 1024 threads, which both
+                # rules give. Rows of at most 4096 chunks (or 2048) keep their shape.
+                tk = _pow2_at_least(max(1, _cdiv(chunks, 8)))
+            tk = min(MAX_THREADS, em.max_threads, tk)
             threads = max(tk, 128)
             rb = threads // tk
             # One block per group of rows, not a grid-stride grid of resident threads:

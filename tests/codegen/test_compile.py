@@ -116,6 +116,17 @@ def test_rows_read_by_several_passes_are_read_once_into_registers():
         assert "__launch_bounds__(1024)" in other.source and other.emitted.max_threads == 1024
 
 
+def test_long_rows_take_eight_chunks_a_thread():
+    """Rows that would take more than 512 threads at 4 vector chunks each take 8 a thread
+    (fused.launch_shape's comment: L2 17's instance norm rows, timed on an H100)."""
+    by_name = {c.name: c for c in CASES + BIG}
+    k = generate(by_name["big_softmax"].trace(), "big_softmax")
+    assert k.emitted.layout == "inner" and k.emitted.vec == 4
+    tk = {n: 1 << k.launch_shape(128, n)[2] for n in (4096, 8192, 12000, 126 * 126, 32768)}
+    assert tk == {4096: 256, 8192: 512, 12000: 512, 126 * 126: 512, 32768: 1024}
+    assert k.launch_shape(128, 126 * 126)[1] == 512               # one row a block
+
+
 def test_inner_row_reductions_launch_a_block_per_group_of_rows():
     """No grid-stride cap at the resident threads for rows reduced along their innermost
     index (faster so on the H200: fused.launch_shape's comment); above MAX_ROW_BLOCKS
