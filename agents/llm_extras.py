@@ -5,16 +5,15 @@ template candidate is one compiled kernel get the LLM Coder's loop (screen, comp
 a child process, repair), regions in parallel. It runs at the Program's first call, once
 ``agents.hotspots`` has timed every region on the real inputs: the slowest regions go
 first, and those outside the hottest ``llm_hot_percent`` of the graph's time are left
-out (said in the graph's notes), so model calls are spent where the time is. What comes
-Before the loop, one more run on ATen keeps the chosen regions' real values
-(``agents.samples``, bounded in memory): a candidate that compiles is launched once on
-them in a child process, so a wrong result or a fault goes back to the model as a repair
-prompt within the loop, not only to the Verifier afterwards. What comes
-out is attached to the template candidate as ``alternatives``; acceptance runs each
-first in a child process, then through the Verifier, and the fastest verified candidate
-wins. Nothing here replaces or delays a template candidate beyond the loop's budget, and
-a missing ``openai`` package or an unreachable endpoint only costs the extras (said in a
-warning).
+out (said in the graph's notes), so model calls are spent where the time is. Before
+the loop, one more run on ATen keeps the chosen regions' real values (``agents.samples``,
+bounded in memory): a candidate that compiles is launched once on them in a child
+process, so a wrong result or a fault goes back to the model as a repair prompt within
+the loop, not only to the Verifier afterwards. What comes out is attached to the
+template candidate as ``alternatives``; acceptance runs each first in a child process,
+then through the Verifier, and the fastest verified candidate wins. Nothing here
+replaces or delays a template candidate beyond the loop's budget, and a missing
+``openai`` package or an unreachable endpoint only costs the extras (said in a warning).
 """
 
 from __future__ import annotations
