@@ -129,6 +129,7 @@ class StitchBackend:
             inference_compiler=compile_stage(self._compile, "inference",
                                              dynamo_graph=dynamo_graph),
             decompositions=decomposition_table(),
+            partition_fn=_partitioner(self.config.recompute),
             # Input mutations (BatchNorm's running statistics) stay in the graph, so the
             # Program writes them back itself: one launch per dtype, inside the CUDA graph
             # when replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
@@ -497,3 +498,11 @@ def _device_of(example_inputs: list[Any]) -> str:
     if "cuda" in devices:
         return "cuda"
     return sorted(devices)[0] if devices else "cpu"
+
+
+def _partitioner(recompute: bool) -> Callable:
+    """AOTAutograd's split of a joint graph into forward and backward (option recompute)."""
+    from torch._functorch.partitioners import (default_partition,
+                                               min_cut_rematerialization_partition)
+
+    return min_cut_rematerialization_partition if recompute else default_partition

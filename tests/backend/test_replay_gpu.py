@@ -124,12 +124,15 @@ def test_a_training_step_is_replayed_though_cudnn_adds_in_varying_order():
     judged by DESIGN.md's rule against an fp64 copy: on the H100 (first run of this test)
     the first conv's weight gradient differed from eager's by up to 0.004 at 16 of 9216
     elements, every run alike (TF32 convolutions, and our BatchNorm backward summing in
-    another order), beyond a fixed 1e-3."""
+    another order), beyond a fixed 1e-3. The first conv has no bias: ahead of a training
+    BatchNorm its gradient is zero in exact arithmetic, so any fp32 value is rounding noise
+    and no relative rule can judge it (the second run on the H100 failed on just that)."""
     from stitch_backend.correctness import compare
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(16, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 64, 3, padding=1, bias=False), torch.nn.BatchNorm2d(64),
+        torch.nn.ReLU(),
         torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU()).cuda()
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     backend = StitchBackend(options={"cudagraphs_training": True, "eager_guard": False})
