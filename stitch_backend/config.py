@@ -89,12 +89,13 @@ class Config:
                        "the default)."),
     )
     fuse_roots: bool | None = field(
-        default=False,
+        default=None,
         metadata=_meta("STITCHCUDA_FUSE_ROOTS", True,
                        "Planner: a pointwise op reading only graph inputs joins its first "
                        "fused consumer's region instead of opening its own (KLDiv's loss "
                        "becomes one region; a training BatchNorm's backward one kernel "
-                       "instead of four). 'auto' (None): in backward graphs only."),
+                       "instead of four). 'auto' (None, the default): in backward graphs "
+                       "only; README has the measurements behind it."),
     )
     recompute: bool = field(
         default=True,
