@@ -90,6 +90,7 @@ class TemplateCoder:
         else:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
+        cand.alternatives += self._column_layouts(subtask, stages)
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)
@@ -334,6 +335,29 @@ class TemplateCoder:
                          source="\n".join(k.source for k in kernels), kernel=kernels[0],
                          signature=kernels[0].signature, stages=stages,
                          region_inputs=list(subtask.region.inputs), region_outputs=outputs)
+
+    def _column_layouts(self, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+        """The candidate again with each of its reduction kernels that reads rows
+        contiguously but writes along the rows (``emit_reduction.stores_across_rows``)
+        in the ``column`` layout instead; none where no kernel is such."""
+        from stitch_backend.codegen.emit_reduction import stores_across_rows
+
+        if not any(s.kernel is not None and stores_across_rows(s.kernel.ir) for s in stages):
+            return []
+        swapped = []
+        for stage in stages:
+            kernel = stage.kernel
+            if kernel is not None and stores_across_rows(kernel.ir):
+                module = region_module(subtask.graph, stage.region)
+                try:
+                    kernel = generate(module, f"{kernel.name}_col", sm_count=self.sm_count,
+                                      layout="column")
+                except Unsupported as err:
+                    log.debug("no column-layout candidate for %s: %s", subtask.region_name, err)
+                    return []
+            swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
+        return [self._candidate(subtask, f"{subtask.region_name}_col", swapped,
+                                list(subtask.region.outputs))]
 
     def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
                       tag: str = "") -> list[Candidate]:

@@ -372,12 +372,15 @@ def _emit_store(k, em, scope, st: Store, cond: str = "") -> None:
     scope.lines.append(scope.ind + stmt)
 
 
-def emit(ir: KernelIR) -> Emitted:
-    """CUDA source for ``ir``; raises ``Unsupported`` for what the templates lack."""
+def emit(ir: KernelIR, layout: str | None = None) -> Emitted:
+    """CUDA source for ``ir``; raises ``Unsupported`` for what the templates lack.
+    ``layout`` forces a reduction's thread layout ("inner" or "column")."""
     if ir.is_reduction:
         from .emit_reduction import emit_reduction   # it builds on this module's _Kernel
 
-        return emit_reduction(ir)
+        return emit_reduction(ir, layout)
+    if layout is not None:
+        raise ValueError(f"a pointwise region has no reduction layout ({layout!r})")
     return _emit_pointwise(ir)
 
 

@@ -287,8 +287,10 @@ class FusedKernel:
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132) -> FusedKernel:
-    """The fused CUDA kernel for region ``gm``, entry point ``name``.
+def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
+             layout: str | None = None) -> FusedKernel:
+    """The fused CUDA kernel for region ``gm``, entry point ``name``; ``layout`` forces a
+    reduction's thread layout (``emit_reduction``).
 
     Raises ``Unsupported`` (with the op and the reason) for what the templates cannot
     express, ValueError for a name that is not a C identifier.
@@ -296,7 +298,7 @@ def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132) -> Fus
     if not _IDENT.match(name):
         raise ValueError(f"kernel name {name!r} is not a C identifier")
     ir = split_full_reductions(lower(gm, name), sm_count)
-    em = emit(ir)
+    em = emit(ir, layout)
     ops = list(dict.fromkeys(ir.ops))
     code_log.debug("generated %s:\n%s", name, em.source)
     return FusedKernel(name=name, source=em.source, entry=em.entry, ops=ops,

@@ -129,3 +129,37 @@ def test_one_pass_softmax_statistics_keep_eagers_special_values(log):
     launch = CudaModule(cubin).function(kernel.entry, kernel.signature)
     (got,) = _launch(kernel, launch, [x])
     torch.testing.assert_close(got, fn(x), atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("what", ["softmax", "log_softmax_f16", "norm"])
+def test_column_layout_matches_the_inner_layout_and_eager(what):
+    """A reduction over the channels of a channels-last input written back NCHW (rows
+    not a multiple of 32, channels not a power of two): the column layout the Coder
+    proposes beside the inner one gives eager's values and strides, bit for bit on a
+    second launch."""
+    from stitch_backend.codegen.emit_reduction import stores_across_rows
+    from stitch_backend.cuda_driver import CudaModule
+
+    fns = {
+        "softmax": lambda a: torch.sigmoid(torch.softmax(a, 1) * 2.0).contiguous(),
+        "log_softmax_f16": lambda a: torch.log_softmax(a, 1).contiguous(),
+        "norm": lambda a: ((a - a.mean(1, keepdim=True))
+                           * torch.rsqrt(a.var(1, keepdim=True) + 1e-5)).contiguous(),
+    }
+    dtype = torch.float16 if what.endswith("f16") else torch.float32
+    x = torch.randn(3, 7, 9, 40, device="cuda").to(dtype).permute(0, 3, 1, 2)
+    gm = make_fx(fns[what], decomposition_table=core_aten_decompositions(),
+                 tracing_mode="fake")(x)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = fns[what](x)
+    for layout in ("inner", "column"):
+        kernel = generate(gm, f"col_{what}_{layout}", sm_count=sms, layout=layout)
+        assert stores_across_rows(kernel.ir) and kernel.emitted.layout == layout
+        cubin = toolchain.compile_cubin(kernel.source, kernel.entry, toolchain.device_arch()).cubin
+        launch = CudaModule(cubin).function(kernel.entry, kernel.signature)
+        (got,) = _launch(kernel, launch, [x])
+        assert got.stride() == want.stride()
+        tol = 1e-2 if dtype == torch.float16 else 1e-5
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        (again,) = _launch(kernel, launch, [x])
+        torch.testing.assert_close(again, got, atol=0, rtol=0)

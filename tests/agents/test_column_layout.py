@@ -1,0 +1,97 @@
+"""The column-layout alternative of a reduction that reads its rows contiguously but
+writes along the rows (a softmax over the channels of a channels-last value whose result
+goes back to NCHW): where it applies, that it is proposed beside the template's kernel,
+computes the region's outputs (kernel IR interpreter on CPU) and compiles with nvcc."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from stitch_backend.agents.coder import TemplateCoder
+from stitch_backend.agents.state import subtask_for
+from stitch_backend.backend import StitchBackend
+from stitch_backend.codegen.emit_reduction import emit_reduction, stores_across_rows
+from stitch_backend.kernels import InterpretedRunner, runner_for
+from stitch_backend.regions import region_module
+
+
+class DeconvSoftmax(nn.Module):
+    """KernelBench L2 91's shape, smaller: a transposed convolution, a softmax over its
+    channels, then a pointwise tail."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.ConvTranspose2d(8, 16, 4, stride=2, padding=1, output_padding=1)
+        self.bias = nn.Parameter(torch.randn(16, 1, 1))
+
+    def forward(self, x):
+        x = torch.softmax(self.conv(x), dim=1)
+        return torch.sigmoid((x + self.bias) * 2.0)
+
+
+def _softmax_region(channels_last: bool):
+    # cpu_interpret turns on the channels-last pass (as on CUDA); codegen=False plans only
+    backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last,
+                                     "channels_last": channels_last})
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.compile(DeconvSoftmax(), backend=backend)(torch.randn(2, 8, 16, 16))
+    (rec,) = backend.records
+    (region,) = [r for r in rec.plan.regions if "_softmax" in r.nodes]
+    return rec.gm, region
+
+
+def _inputs(gm, region):
+    gen = torch.Generator().manual_seed(1)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out = []
+    for name in region.inputs:
+        v = nodes[name].meta["val"]
+        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
+        out.append(t.copy_(torch.randn(v.shape, generator=gen)))
+    return out
+
+
+def test_channels_last_softmax_written_nchw_gets_a_column_alternative():
+    gm, region = _softmax_region(channels_last=True)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+    assert cand.kernel.emitted.layout == "inner" and stores_across_rows(cand.kernel.ir)
+    (col,) = [a for a in cand.alternatives if a.name.endswith("_col")]
+    assert col.kernel.emitted.layout == "column"
+    assert "column layout" in col.source and "column layout" not in cand.source
+    inputs = _inputs(gm, region)
+    want = region_module(gm, region)(*inputs)
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    for c in (cand, col):
+        got = runner_for(c, base=InterpretedRunner)(*inputs)
+        for g, w in zip(got, want):
+            assert g.stride() == w.stride()
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-5)
+
+
+def test_rows_written_as_read_get_no_column_alternative():
+    gm, region = _softmax_region(channels_last=False)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+    assert not stores_across_rows(cand.kernel.ir)
+    assert not [a for a in cand.alternatives if a.name.endswith("_col")]
+
+
+def test_an_unknown_layout_is_refused():
+    gm, region = _softmax_region(channels_last=True)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+    with pytest.raises(ValueError, match="unknown reduction layout"):
+        emit_reduction(cand.kernel.ir, "diagonal")
+
+
+@pytest.mark.nvcc
+def test_both_layouts_compile_for_sm90a():
+    from stitch_backend.toolchain import CompileError, CompileJob, compile_many
+
+    gm, region = _softmax_region(channels_last=True)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+    (col,) = [a for a in cand.alternatives if a.name.endswith("_col")]
+    results = compile_many([CompileJob(c.source, c.name, "sm_90a") for c in (cand, col)])
+    assert not [r for r in results if isinstance(r, CompileError)], results
+    assert all(r.cubin[:4] == b"\x7fELF" for r in results)
