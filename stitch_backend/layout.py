@@ -30,7 +30,11 @@ judges the channels-last result against the traced layout's. One that fails is t
 once more channels-last with cuDNN's TF32 off for it alone (``aten._convolution`` with
 ``allow_tf32=False``: exact fp32, as eager's NCHW kernel was); if that passes, the graph
 runs it so. One that still fails keeps its traced layout (its input converted back where
-needed; the report says why), and where every one fails the graph stays as traced. The check depends on sizes, dtypes and cuDNN's
+needed; the report says why), and where every one fails the graph stays as traced. But
+first, where any convolution fails alone, the whole graph is judged with every
+convolution channels-last in TF32 (``graph_precision.py``): a graph that reduces the
+convolution's output (a global average pool) can keep the rule at its outputs, and then
+runs so. The check depends on sizes, dtypes and cuDNN's
 choices, not on the values, so it runs at compile time; each verdict is kept as a note
 in the cache (keyed by the convolution, the GPU, the torch and cuDNN versions and the
 precision flags), so a warm start runs no convolution.
@@ -47,6 +51,7 @@ import torch
 import torch.fx
 
 from .correctness import compare
+from .graph_precision import outputs_hold
 from .instance_norm import VIEWS as _VIEWS
 from .instance_norm import merges_batch_into_channels, unmerge_instance_norms
 from .notes import read_note, write_note
@@ -106,6 +111,10 @@ class LayoutResult:
     kept: int = 0           # convolutions left in the traced layout (precision)
     kept_why: str = ""      # the first one's reason
     exact: int = 0          # NHWC convolutions run with cuDNN's TF32 off (precision)
+    # convolutions that failed the check alone but kept TF32 NHWC: the graph's outputs
+    # held the correctness rule (graph_precision.py); else why they did not
+    whole_graph: int = 0
+    whole_why: str = ""
     instance_norms: int = 0  # computed over their own dims (``instance_norm.unmerge_instance_norms``)
 
     def note(self) -> str:
@@ -116,9 +125,17 @@ class LayoutResult:
                     if self.kept else "")
             norms = (f", {self.instance_norms} instance norm(s) computed over their own "
                      "dims (no view of N*C channels)" if self.instance_norms else "")
-            return (f"channels-last: {self.convolutions} convolution(s) run NHWC{exact}{kept}, "
-                    f"{self.conversions} layout conversion(s) in the graph{norms}")
-        return f"channels-last off: {self.why}"
+            whole = (f" ({self.whole_graph} less accurate alone in cuDNN's TF32 NHWC kernel, "
+                     "kept so: the graph's outputs meet the correctness rule)"
+                     if self.whole_graph else "")
+            return (f"channels-last: {self.convolutions} convolution(s) run NHWC{exact}{kept}"
+                    f"{whole}, {self.conversions} layout conversion(s) in the graph{norms}"
+                    + self._whole_why())
+        return f"channels-last off: {self.why}" + self._whole_why()
+
+    def _whole_why(self) -> str:
+        return (f"; TF32 at the graph's outputs: {self.whole_why}" if self.whole_why
+                else "")
 
 
 def convolutions(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -222,13 +239,37 @@ def to_channels_last(gm: torch.fx.GraphModule, notes: Any = None, partial: bool 
         return gm, LayoutResult(False, why)
     convs = convolutions(gm)
     refused, exact = precision_verdicts(convs, notes)
+    whole_why = ""
+    if refused or exact:
+        # judged alone, some convolution loses precision in TF32 NHWC: the graph's
+        # outputs may not (graph_precision.py); where they hold, TF32 everywhere
+        new, result = _apply(gm, {}, set())
+        if result.applied:
+            verdict = outputs_hold(gm, new, notes)
+            if verdict.ok:
+                result.whole_graph = len(set(refused) | exact)
+                return new, result
+            whole_why = verdict.why
+            log.debug("channels-last TF32 convolutions not kept: at the graph's outputs, %s",
+                      verdict.why)
     if refused and (not partial or len(refused) == len(convs)):
-        return gm, LayoutResult(False, next(iter(refused.values())))
+        return gm, LayoutResult(False, next(iter(refused.values())), whole_why=whole_why)
     slow = [n.name for n in convs if n.name in exact and n.args[0].meta["val"].dim() == 5]
     if slow and not partial:
         return gm, LayoutResult(False, (
             f"{slow[0]}, a 3-D convolution, is as accurate channels-last only with cuDNN's "
-            "TF32 off, slower than its traced layout's kernel (channels_last=True forces it)"))
+            "TF32 off, slower than its traced layout's kernel (channels_last=True forces it)"),
+            whole_why=whole_why)
+    new, result = _apply(gm, refused, exact)
+    result.whole_why = whole_why
+    return new, result
+
+
+def _apply(gm: torch.fx.GraphModule, refused: dict[str, str], exact: set[str]
+           ) -> tuple[torch.fx.GraphModule, LayoutResult]:
+    """The rewrite itself (a new module), the ``refused`` convolutions keeping their
+    traced layout and the ``exact`` ones run with cuDNN's TF32 off; or ``gm`` and why
+    not."""
     copied = rewritable_copy(gm, lambda n: True)
     if copied is None:
         return gm, LayoutResult(False, "the graph carries no fake values to recompute "

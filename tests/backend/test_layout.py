@@ -29,6 +29,16 @@ def _conv_inputs(gm):
             if n.target in (aten.convolution.default, aten._convolution.default)]
 
 
+@pytest.fixture
+def outputs_fail(monkeypatch):
+    """The graph's outputs do not hold the rule with TF32 everywhere (on the CPU they
+    always would: no TF32), so the per-convolution verdicts stand."""
+    from stitch_backend.graph_precision import GraphVerdict
+
+    monkeypatch.setattr(layout, "outputs_hold",
+                        lambda *args, **kw: GraphVerdict(False, "outputs fail (the test)"))
+
+
 def _check(model_factory, x, train_mode=True, **options):
     torch.manual_seed(0)
     model = model_factory().train(train_mode)
@@ -236,7 +246,7 @@ def test_option_off_and_training_graphs_keep_the_traced_layout():
         assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
 
 
-def test_a_convolution_less_accurate_channels_last_leaves_the_graph_as_traced(monkeypatch):
+def test_a_convolution_less_accurate_channels_last_leaves_the_graph_as_traced(monkeypatch, outputs_fail):
     """cuDNN may run NHWC in TF32 where NCHW is exact: the check sees the larger error
     (simulated here: 1e-3 of noise on the channels-last result) and the pass says no."""
     real = layout.conv_outputs
@@ -257,7 +267,7 @@ def test_a_convolution_less_accurate_channels_last_leaves_the_graph_as_traced(mo
 
 
 def test_precision_verdicts_are_kept_in_the_cache_so_a_warm_start_runs_no_convolution(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, outputs_fail):
     real = layout.conv_outputs
     runs = []
 
@@ -288,7 +298,8 @@ def test_precision_verdicts_are_kept_in_the_cache_so_a_warm_start_runs_no_convol
     backend = _check(lambda: example.Model(*example.get_init_inputs()),
                      example.get_inputs()[0], **options)
     note = next(n for n in backend.records[0].notes if n.startswith("channels-last"))
-    assert note == "channels-last off: stored verdict" and len(runs) == first
+    assert note == ("channels-last off: stored verdict; TF32 at the graph's outputs: outputs "
+                    "fail (the test)") and len(runs) == first
 
 
 def test_precision_check_runs_each_distinct_convolution_once_and_passes_exact_ones(monkeypatch):
@@ -370,7 +381,7 @@ def test_channels_last_on_cuda_is_correct_by_the_design_rule(make):
         torch.testing.assert_close(buf, dict(reference.named_buffers())[name], rtol=1e-3, atol=1e-3)
 
 
-def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_nhwc(monkeypatch):
+def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_nhwc(monkeypatch, outputs_fail):
     """The precision check refuses one convolution (as the H200 refused the 3->64 first
     convolutions of L3 ResNetBasicBlock and RegNet): it reads its traced NCHW input, the
     others still run channels-last, and values and output strides stay eager's."""
@@ -401,10 +412,11 @@ def test_a_convolution_that_loses_precision_keeps_its_layout_and_the_others_go_n
     backend = _check(lambda: example.Model(*example.get_init_inputs()), example.get_inputs()[0],
                      train_mode=False, channels_last=None)   # eval: auto would apply
     note = next(n for n in backend.records[0].notes if n.startswith("channels-last"))
-    assert note == "channels-last off: refused for the test", note
+    assert note.startswith("channels-last off: refused for the test; TF32 at the graph's "
+                           "outputs: outputs fail"), note
 
 
-def test_a_convolution_exact_only_without_tf32_runs_nhwc_with_tf32_off(monkeypatch):
+def test_a_convolution_exact_only_without_tf32_runs_nhwc_with_tf32_off(monkeypatch, outputs_fail):
     """cuDNN's TF32 NHWC kernel is less accurate than eager's exact NCHW one (the 3->64
     first convolution of L3 ResNetBasicBlock and RegNet on the H200); with TF32 off it is
     exact again: the graph runs that convolution NHWC as ``aten._convolution`` with
@@ -546,7 +558,7 @@ def test_auto_declines_a_layer_norm_over_trailing_sizes():
     assert backend.records[0].notes[0].startswith("channels-last: 1 convolution(s)")
 
 
-def test_auto_keeps_a_3d_convolution_exact_only_without_tf32_as_traced(monkeypatch):
+def test_auto_keeps_a_3d_convolution_exact_only_without_tf32_as_traced(monkeypatch, outputs_fail):
     """A 3-D convolution that channels-last needs TF32 off for: ``auto`` keeps the graph
     as traced (slower so on the H200), a forced rewrite runs it NHWC with TF32 off."""
     real = layout.conv_outputs

@@ -1,0 +1,142 @@
+"""Channels-last convolutions judged at the graph's outputs.
+
+The layout pass (``layout.py``) first judges each convolution alone: channels-last, cuDNN
+may pick a TF32 kernel where eager's NCHW run is exact fp32, and a convolution whose
+NHWC result is less accurate than the traced layout's is run with TF32 off (exact, and
+slower) or kept NCHW. That verdict is stricter than the correctness rule needs where
+the graph reduces the convolution's output before returning it: a global average pool
+or a sum over millions of positions averages TF32's rounding away. On an H100
+(KernelBench L2, 2026-12-05), every 2-D convolution of L2 64-100 failed the check alone,
+and three of those graphs (65 Conv2d_AvgPool_Sigmoid_Sum, 67 Conv2d_GELU_GlobalAvgPool,
+92 Conv2d_GroupNorm_..._LogSumExp) ran 0.98-1.30x eager while Inductor, whose
+channels-last TF32 convolutions met the rule at those graphs' outputs, ran 1.34-2.81x.
+
+So where a convolution fails alone, the whole graph is judged once more with every
+convolution channels-last in TF32: the graph as traced, rewritten, and in fp64
+(``correctness.run_fp64``) on the same random inputs (the random draws of each run
+seeded alike), and DESIGN.md's rule (``correctness.compare``) at the graph's outputs
+decides. Where the outputs hold, the rewrite keeps TF32 everywhere; where not, the
+per-convolution verdicts stand. The verdict depends on the graph, the device, the
+versions and cuDNN's flags, not on the user's values, so it runs at compile time and is
+kept as a note in the cache: a warm start runs nothing.
+
+Like every check of the Verifier, it is a check on random inputs of the traced sizes:
+standard normal values, as the per-convolution check draws them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from .correctness import compare, flatten_outputs, run_fp64
+from .notes import read_note, write_note
+
+log = logging.getLogger("stitch_backend.graph_precision")
+
+NOTE_KIND = "layout-graph-precision-1"
+
+
+@dataclass(frozen=True)
+class GraphVerdict:
+    """Whether the rewritten graph keeps the correctness rule at its outputs."""
+
+    ok: bool
+    why: str
+    final: bool = True      # worth keeping in the cache (a check that could not run is not)
+
+
+def outputs_hold(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule,
+                 notes: Any = None) -> GraphVerdict:
+    """Judge ``rewritten`` against ``traced`` (and its fp64 run) at the graph's outputs,
+    or read the verdict an earlier process stored in ``notes`` (a cache Store)."""
+    key = _note_key(traced)
+    stored = read_note(notes, NOTE_KIND, key, _valid)
+    if stored is not None:
+        return GraphVerdict(bool(stored["ok"]), stored["why"])
+    verdict = _judge(traced, rewritten)
+    if verdict.final:
+        write_note(notes, NOTE_KIND, key, {"ok": verdict.ok, "why": verdict.why})
+    return verdict
+
+
+def _judge(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> GraphVerdict:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    metas = [n.meta.get("val") for n in traced.graph.find_nodes(op="placeholder")]
+    odd = next((m for m in metas if not isinstance(m, torch.Tensor)), None)
+    if odd is not None:
+        return GraphVerdict(False, f"an input is not a tensor ({type(odd).__name__}): "
+                                   "not judged at the graph's outputs")
+    with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
+        try:
+            inputs = _draw(metas)
+            want = _run(traced, inputs)
+            got = _run(rewritten, inputs)
+            ref = _run(traced, inputs, fp64=True)
+        except Exception as err:  # noqa: BLE001 - no verdict: the per-convolution ones stand
+            return GraphVerdict(False, f"the graph could not be run to judge it "
+                                       f"({type(err).__name__}: {err})", final=False)
+        cmp = compare(_tensors(got), _tensors(want), _tensors(ref))
+    return GraphVerdict(cmp.ok_design, cmp.reason)
+
+
+def _draw(metas: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Standard normal values with each input's sizes, strides, dtype and device (a
+    generator of their own: the user's random state is not touched); integer and bool
+    inputs (BatchNorm's ``num_batches_tracked``) zeros, a valid count and index."""
+    gens: dict[str, torch.Generator] = {}
+    out = []
+    for m in metas:
+        t = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=m.device)
+        if not m.is_floating_point():
+            out.append(t.zero_())
+            continue
+        gen = gens.setdefault(str(m.device), torch.Generator(m.device).manual_seed(0))
+        out.append(t.copy_(torch.randn(m.shape, generator=gen, device=m.device)))
+    return out
+
+
+def _run(gm: torch.fx.GraphModule, inputs: list[torch.Tensor], fp64: bool = False) -> Any:
+    """``gm`` on copies of ``inputs`` (a graph may write into its inputs: BatchNorm's
+    running statistics), its random draws seeded alike on every run."""
+    copies = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+              .copy_(x) for x in inputs]
+    cuda = sorted({x.device.index or 0 for x in inputs if x.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        return run_fp64(gm, copies) if fp64 else gm(*copies)
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    return [t for t in flatten_outputs(outputs) if isinstance(t, torch.Tensor)]
+
+
+def _note_key(gm: torch.fx.GraphModule) -> dict:
+    """What a stored verdict depends on: the graph, the devices, the versions and every
+    flag that steers cuDNN's choice of kernel."""
+    from .graph import canonical_graph
+
+    metas = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    devices = sorted({str(m.device) for m in metas if isinstance(m, torch.Tensor)})
+    gpus = [torch.cuda.get_device_name(torch.device(d)) for d in devices if d.startswith("cuda")]
+    cudnn = torch.backends.cudnn
+    return {"graph": hashlib.sha256(canonical_graph(gm).encode()).hexdigest(),
+            "devices": devices, "gpus": gpus, "torch": torch.__version__,
+            "cudnn": cudnn.version() if cudnn.is_available() else None,
+            "flags": [cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+                      torch.are_deterministic_algorithms_enabled(),
+                      torch.backends.cuda.matmul.allow_tf32]}
+
+
+def _valid(value: Any) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("ok"), bool)
+            and isinstance(value.get("why"), str))
+
+
+__all__ = ["GraphVerdict", "NOTE_KIND", "outputs_hold"]

@@ -1,0 +1,121 @@
+"""Channels-last TF32 convolutions judged at the graph's outputs (graph_precision.py):
+where a convolution fails the check alone but the graph's outputs keep the correctness
+rule, every convolution runs channels-last with TF32; where they do not, the
+per-convolution verdicts stand; verdicts are kept in the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from stitch_backend import graph_precision, layout
+from stitch_backend.backend import StitchBackend
+from stitch_backend.cache import Store
+
+aten = torch.ops.aten
+
+
+def _traced(fn, *inputs):
+    return make_fx(fn, decomposition_table=core_aten_decompositions(),
+                   tracing_mode="fake")(*inputs)
+
+
+def _pooled(x, w):
+    return F.gelu(F.conv2d(x, w, padding=1)).mean((2, 3))
+
+
+def test_outputs_hold_where_the_rewrite_computes_the_same_and_not_where_it_drifts():
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
+    traced = _traced(_pooled, x, w)
+    same = _traced(lambda a, b: _pooled(a.contiguous(memory_format=torch.channels_last), b),
+                   x, w)
+    drifted = _traced(lambda a, b: _pooled(a, b) * (1 + 1e-3), x, w)
+    held = graph_precision.outputs_hold(traced, same)
+    assert held.ok and held.final, held.why
+    failed = graph_precision.outputs_hold(traced, drifted)
+    assert not failed.ok and failed.final and "beyond 0.0001 of eager" in failed.why
+
+
+def test_graph_verdicts_are_kept_in_the_cache(monkeypatch, tmp_path):
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
+    traced = _traced(_pooled, x, w)
+    drifted = _traced(lambda a, b: _pooled(a, b) * (1 + 1e-3), x, w)
+    runs = []
+    real = graph_precision._judge
+
+    def counted(a, b):
+        runs.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(graph_precision, "_judge", counted)
+    store = Store(tmp_path)
+    first = graph_precision.outputs_hold(traced, drifted, store)
+    again = graph_precision.outputs_hold(traced, drifted, Store(tmp_path))
+    assert len(runs) == 1 and (first.ok, first.why) == (again.ok, again.why) and not again.ok
+    assert list((tmp_path / "notes" / graph_precision.NOTE_KIND).iterdir())
+
+
+class ConvGeluPool(nn.Module):
+    """KernelBench L2 67's shape, smaller: a convolution, GELU, a global average pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(F.gelu(self.conv(x)), 1).flatten(1)
+
+
+def test_a_convolution_less_accurate_alone_keeps_tf32_where_the_outputs_hold(monkeypatch):
+    """cuDNN's TF32 NHWC kernel fails the check alone (simulated on the CPU: noise on
+    the channels-last result, even with TF32 off), the pooled output holds the rule:
+    the convolution runs channels-last as plain ``aten.convolution`` (TF32 allowed),
+    and the compiled model keeps eager's values and strides."""
+    real = layout.conv_outputs
+
+    def noisy(node, exact=False):
+        traced, nhwc, fp64 = real(node, exact)
+        return traced, nhwc + 1e-3 * torch.randn_like(nhwc), fp64
+
+    monkeypatch.setattr(layout, "conv_outputs", noisy)
+    monkeypatch.setattr(layout, "tf32_may_apply", lambda node: True)
+    torch.manual_seed(0)
+    model = ConvGeluPool().eval()
+    x = torch.randn(2, 3, 16, 16)
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})   # auto
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
+    (rec,) = backend.records
+    note = next(n for n in rec.notes if n.startswith("channels-last"))
+    assert note.startswith("channels-last: 1 convolution(s) run NHWC (1 less accurate alone "
+                           "in cuDNN's TF32 NHWC kernel, kept so"), note
+    (conv,) = [n for n in rec.gm.graph.nodes if n.target is aten.convolution.default]
+    assert conv.args[0].meta["val"].is_contiguous(memory_format=torch.channels_last)
+    assert not [n for n in rec.gm.graph.nodes if n.target is aten._convolution.default]
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_pooled_convolution_is_correct_by_the_design_rule():
+    """On the GPU, with cuDNN's TF32 allowed (torch's default): whichever way the layout
+    pass decides (TF32 kept for the pooled output, or TF32 off), the compiled result is
+    correct by DESIGN.md's rule against eager and an fp64 run."""
+    from stitch_backend.correctness import compare
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 64, 3), nn.GELU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten()).cuda().eval()
+    x = torch.rand(16, 8, 128, 128, device="cuda")
+    backend = StitchBackend(options={"cache": False})
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        want = model(x)
+        ref = model.double()(x.double())
+    cmp = compare(got, want, ref)
+    assert cmp.ok_design, (cmp.reason, backend.records[0].notes)
