@@ -40,6 +40,12 @@ from .notes import read_note, write_note
 log = logging.getLogger("stitch_backend.graph_precision")
 
 NOTE_KIND = "layout-graph-precision-1"
+# The three runs may hold this share of the device's free memory at most: inputs twice
+# in fp32 and once in fp64, the graph's peak (``memplan.graph_peak``) in fp32 and in
+# fp64, and two sets of outputs kept while the fp64 run goes (a bound, about 4x the
+# graph's own needs). Beyond it the graph is not judged, and the per-convolution
+# verdicts stand: a check at compile time must not run the user's GPU out of memory.
+MEMORY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,12 @@ def _judge(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> Gra
     if odd is not None:
         return GraphVerdict(False, f"an input is not a tensor ({type(odd).__name__}): "
                                    "not judged at the graph's outputs")
+    need, free = _bytes_needed(traced, metas), _free_bytes(metas)
+    if need is None or (free is not None and need > MEMORY_SHARE * free):
+        size = "a data-dependent size" if need is None else (
+            f"about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+        return GraphVerdict(False, f"not judged at the graph's outputs: its three runs would "
+                                   f"need {size}", final=False)
     with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
         try:
             inputs = _draw(metas)
@@ -84,6 +96,27 @@ def _judge(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> Gra
                                        f"({type(err).__name__}: {err})", final=False)
         cmp = compare(_tensors(got), _tensors(want), _tensors(ref))
     return GraphVerdict(cmp.ok_design, cmp.reason)
+
+
+def _bytes_needed(gm: torch.fx.GraphModule, metas: list[torch.Tensor]) -> int | None:
+    """A bound on what the three runs hold at once (see MEMORY_SHARE); None where the
+    graph's peak has no number."""
+    from .memplan import graph_peak
+
+    peak = graph_peak(gm)
+    if peak is None:
+        return None
+    inputs = sum(m.numel() * m.element_size() for m in metas)
+    return 4 * (inputs + peak)
+
+
+def _free_bytes(metas: list[torch.Tensor]) -> int | None:
+    """Free memory of the first CUDA device among the inputs' (None: no CUDA input)."""
+    device = next((m.device for m in metas if m.device.type == "cuda"), None)
+    if device is None:
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return free
 
 
 def _draw(metas: list[torch.Tensor]) -> list[torch.Tensor]:

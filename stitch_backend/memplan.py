@@ -136,6 +136,15 @@ def within_margin(gm: torch.fx.GraphModule, plan: Plan,
         return [], MemoryEstimate(None, None, str(err))
 
 
+def graph_peak(gm: torch.fx.GraphModule) -> int | None:
+    """Peak bytes of the traced graph's intermediates and outputs op by op (inputs not
+    counted); None for a data-dependent size."""
+    try:
+        return _graph_peak(gm)
+    except _Symbolic:
+        return None
+
+
 def _generated(plan: Plan) -> set[int]:
     return {r.id for r in plan.regions if r.backend == "kernel"}
 

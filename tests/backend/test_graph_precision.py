@@ -119,3 +119,16 @@ def test_on_cuda_a_pooled_convolution_is_correct_by_the_design_rule():
         ref = model.double()(x.double())
     cmp = compare(got, want, ref)
     assert cmp.ok_design, (cmp.reason, backend.records[0].notes)
+
+
+def test_a_graph_too_large_for_free_memory_is_not_judged(monkeypatch):
+    """The three runs would need more than MEMORY_SHARE of the free device memory (made
+    small here): no run, and no verdict kept (a later compile, with more memory free,
+    tries again); the per-convolution verdicts stand."""
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
+    traced = _traced(_pooled, x, w)
+    monkeypatch.setattr(graph_precision, "_free_bytes", lambda metas: 1024)
+    monkeypatch.setattr(graph_precision, "_draw", lambda metas: pytest.fail("it ran"))
+    verdict = graph_precision.outputs_hold(traced, traced)
+    assert not verdict.ok and not verdict.final
+    assert "GiB free" in verdict.why and "not judged" in verdict.why
