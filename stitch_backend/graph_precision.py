@@ -40,11 +40,12 @@ from .notes import read_note, write_note
 log = logging.getLogger("stitch_backend.graph_precision")
 
 NOTE_KIND = "layout-graph-precision-1"
-# The three runs may hold this share of the device's free memory at most: inputs twice
-# in fp32 and once in fp64, the graph's peak (``memplan.graph_peak``) in fp32 and in
-# fp64, and two sets of outputs kept while the fp64 run goes (a bound, about 4x the
-# graph's own needs). Beyond it the graph is not judged, and the per-convolution
-# verdicts stand: a check at compile time must not run the user's GPU out of memory.
+# The three runs (one after another) may hold this share of the device's free memory at
+# most: the inputs drawn, a copy for the run and their fp64 copy (4x their bytes), the
+# fp64 run's peak (twice ``memplan.graph_peak``, which counts outputs) and the two fp32
+# runs' outputs kept meanwhile. Beyond it the graph is not judged, and the
+# per-convolution verdicts stand: a check at compile time must not run the user's GPU
+# out of memory.
 MEMORY_SHARE = 0.5
 
 
@@ -106,8 +107,12 @@ def _bytes_needed(gm: torch.fx.GraphModule, metas: list[torch.Tensor]) -> int | 
     peak = graph_peak(gm)
     if peak is None:
         return None
-    inputs = sum(m.numel() * m.element_size() for m in metas)
-    return 4 * (inputs + peak)
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts  # noqa: E731
+                          if isinstance(t, torch.Tensor))
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    outputs = []
+    torch.fx.node.map_arg(out.args[0], lambda n: outputs.append(n.meta.get("val")))
+    return 4 * size(metas) + 2 * peak + 2 * size(outputs)
 
 
 def _free_bytes(metas: list[torch.Tensor]) -> int | None:
