@@ -9,8 +9,10 @@ Program, forward and backward) on shapes a CPU can afford, so what breaks on rea
 shows up before any device time is spent. Speed means nothing here.
 
 Each problem file's module-level integer assignments are rewritten before it runs:
-``batch_size`` becomes 2, sizes with a size-like name above 32 become 32 (``--batch-only``
-leaves them), group counts above 8 become 8. A problem whose own shapes do not survive
+``batch_size`` becomes 2, sizes with a size-like name above 32 become 32, in lists of
+sizes too (``--batch-only`` leaves them; L3 2's ``hidden_layer_sizes = [32768, 32768]``
+kept whole took 23.7 GB and the OOM killer ended the sweep), group counts above 8
+become 8. A problem whose own shapes do not survive
 that fails at construction; run it again with ``--batch-only``.
 
 Per problem: the module in training mode, its inputs, a training step (forward, the
@@ -48,6 +50,8 @@ from .steps import AUTOCAST, LossWeights, autocast, training_step
 _SIZE_NAME = re.compile(r"(height|width|depth|length|seq|dim|size|features|channels|hidden|"
                         r"embed|len|_h$|_w$|_d$|^[hwdnmkl]$|^[MNK]$)", re.I)
 _ASSIGN = re.compile(r"^(\w+(?:\s*=\s*\w+)*)\s*=\s*(\d+)\s*(#.*)?$")
+# a list of sizes (``hidden_layer_sizes = [32768, 32768]``, ``[1024] * 16``)
+_ASSIGN_LIST = re.compile(r"^(\w+)\s*=\s*\[([\d\s,]+)\](.*)$")
 
 
 def shrink(source: str, *, batch: int = 2, sizes: bool = True) -> str:
@@ -64,6 +68,10 @@ def shrink(source: str, *, batch: int = 2, sizes: bool = True) -> str:
                 line = f"{m.group(1)} = 8"
             elif sizes and value > 32 and any(_SIZE_NAME.search(n) for n in names):
                 line = f"{m.group(1)} = 32"
+        listed = _ASSIGN_LIST.match(line)
+        if sizes and listed and _SIZE_NAME.search(listed.group(1)):
+            values = [min(int(v), 32) for v in listed.group(2).split(",") if v.strip()]
+            line = f"{listed.group(1)} = {values}{listed.group(3)}"
         out.append(line)
     return "\n".join(out) + "\n"
 

@@ -41,6 +41,14 @@ def test_shrink_rewrites_batch_sizes_and_groups_only():
     assert "features = 4096" in shrink("features = 4096\n", sizes=False)
 
 
+def test_shrink_rewrites_lists_of_sizes():
+    text = shrink("hidden_layer_sizes = [32768, 16]\nlayer_sizes = [1024] * 16  # deep\n"
+                  "strides = [2, 64]\n")
+    assert text.splitlines() == ["hidden_layer_sizes = [32, 16]",
+                                 "layer_sizes = [32] * 16  # deep", "strides = [2, 64]"]
+    assert "[32768, 16]" in shrink("hidden_layer_sizes = [32768, 16]\n", sizes=False)
+
+
 def test_a_sweep_runs_training_steps_and_says_what_broke(tmp_path, capsys):
     level = tmp_path / "level2"
     level.mkdir()
