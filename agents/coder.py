@@ -119,12 +119,12 @@ class TemplateCoder:
         if first.target in (aten.view.default, aten._unsafe_view.default) and len(first.users) == 1:
             view, (first,) = first, first.users    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
         compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
-        chain, bias = _lt_chain(mm, view or mm, first, compute)
+        chain, bias = lt_ops.lt_chain(mm, view or mm, first, compute)
         if not chain:
             return None
         act = chain[-1]
         has_bias = mm.target is aten.addmm.default or bias is not None
-        epilogue = _lt_epilogue(lt_ops.activation_epilogue(act), has_bias)
+        epilogue = lt_ops.epilogue_name(lt_ops.activation_epilogue(act), has_bias)
         taken = [view.name] if view is not None else []
         sub = sub_region(gm, list(head.nodes) + taken + [n.name for n in chain],
                          subtask.region_id, 800)
@@ -133,7 +133,7 @@ class TemplateCoder:
         local = {n.name: n for n in graph.nodes}
         l_mm, l_act = local[mm.name], local[act.name]
         with graph.inserting_before(l_act):
-            call = _lt_call(graph, l_mm, local[bias.name] if bias is not None else None,
+            call = lt_ops.lt_call(graph, l_mm, local[bias.name] if bias is not None else None,
                             epilogue)
             result = call
             if view is not None:
@@ -266,17 +266,19 @@ class TemplateCoder:
         (``lt_ops``; an addmm's bias in its BIAS epilogue), whose algorithm the first call
         times among the heuristics' best: raced against ATen's call by the Verifier. None
         where cuBLASLt cannot run it (then ATen's library call is the implementation)."""
+        from stitch_backend import lt_ops
+
         gm = subtask.graph
         mm = self._lt_anchor({n.name: n for n in gm.graph.nodes}, subtask.region.nodes)
         if mm is None:
             return None
-        epilogue = _lt_epilogue(None, mm.target is aten.addmm.default)
+        epilogue = lt_ops.epilogue_name(None, mm.target is aten.addmm.default)
         sub = sub_region(gm, list(subtask.region.nodes), subtask.region_id, 800)
         module = region_module(gm, sub)
         graph = module.graph
         l_mm = next(n for n in graph.nodes if n.name == mm.name)
         with graph.inserting_before(l_mm):
-            call = _lt_call(graph, l_mm, None, epilogue)
+            call = lt_ops.lt_call(graph, l_mm, None, epilogue)
         l_mm.replace_all_uses_with(call)
         graph.erase_node(l_mm)
         graph.lint()
@@ -527,60 +529,6 @@ class TemplateCoder:
             raise NoCandidate(f"a {subtask.kind} followed only by views: the library call "
                               "(ATen) is the implementation")
         return head, tail
-
-
-def _lt_chain(mm: torch.fx.Node, product: torch.fx.Node, first: torch.fx.Node,
-              compute: list[str]) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
-    """The epilogue nodes one cuBLASLt call can take over after ``mm`` (whose value the
-    epilogue reads as ``product``, the mm or the one view after it), starting at its
-    only user ``first``, which must open the epilogue's ``compute`` nodes: a relu or
-    tanh-gelu; or, after an mm without bias, the add of a bias row of N (either operand
-    order, no alpha), then perhaps one of those activations as its only user. ([], None)
-    where none applies; else (the nodes, the bias node or None)."""
-    from stitch_backend import lt_ops
-
-    if not compute or compute[0] != first.name:
-        return [], None
-    if lt_ops.activation_epilogue(first) is not None:
-        return [first], None
-    if mm.target is not aten.mm.default or first.target is not aten.add.Tensor or first.kwargs:
-        return [], None
-    others = [a for a in first.args if a is not product]
-    bias = others[0] if len(others) == 1 and len(first.args) == 2 else None
-    want = mm.meta["val"]
-    bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
-    if (not isinstance(bv, torch.Tensor) or bv.dim() != 1 or bv.shape[0] != want.shape[1]
-            or bv.dtype != want.dtype or bias.name in compute):
-        return [], None
-    chain = [first]
-    if len(first.users) == 1 and len(compute) > 1:
-        (nxt,) = first.users
-        if nxt.name == compute[1] and lt_ops.activation_epilogue(nxt) is not None:
-            chain.append(nxt)
-    return chain, bias
-
-
-def _lt_epilogue(activation: str | None, has_bias: bool) -> str:
-    """cuBLASLt's epilogue name: the activation's, with _BIAS when a bias is added."""
-    if activation is None:
-        return "BIAS" if has_bias else "DEFAULT"
-    return f"{activation}_BIAS" if has_bias else activation
-
-
-def _lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | None,
-             epilogue: str) -> torch.fx.Node:
-    """The ``lt_ops`` call computing ``l_mm`` (an addmm's own bias, or ``bias`` added to an
-    mm) with ``epilogue``, inserted at the graph's insertion point, with ``l_mm``'s meta."""
-    from stitch_backend import lt_ops
-
-    if l_mm.target is aten.addmm.default:
-        call = graph.call_function(lt_ops.lt_addmm, (*l_mm.args[:3], epilogue))
-    elif bias is not None:
-        call = graph.call_function(lt_ops.lt_addmm, (bias, *l_mm.args[:2], epilogue))
-    else:
-        call = graph.call_function(lt_ops.lt_mm, (*l_mm.args[:2], epilogue))
-    call.meta = dict(l_mm.meta)
-    return call
 
 
 def sub_region(gm, names: list[str], region_id: int, index: int) -> Region:

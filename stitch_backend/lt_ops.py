@@ -170,4 +170,56 @@ def activation_epilogue(node: torch.fx.Node) -> str | None:
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-__all__ = ["DTYPES", "activation_epilogue", "lt_addmm", "lt_mm", "lt_mm_bgrad"]
+
+def lt_chain(mm: torch.fx.Node, product: torch.fx.Node, first: torch.fx.Node,
+              compute: list[str]) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """The epilogue nodes one cuBLASLt call can take over after ``mm`` (whose value the
+    epilogue reads as ``product``, the mm or the one view after it), starting at its
+    only user ``first``, which must open the epilogue's ``compute`` nodes: a relu or
+    tanh-gelu; or, after an mm without bias, the add of a bias row of N (either operand
+    order, no alpha), then perhaps one of those activations as its only user. ([], None)
+    where none applies; else (the nodes, the bias node or None)."""
+    if not compute or compute[0] != first.name:
+        return [], None
+    if activation_epilogue(first) is not None:
+        return [first], None
+    if mm.target is not aten.mm.default or first.target is not aten.add.Tensor or first.kwargs:
+        return [], None
+    others = [a for a in first.args if a is not product]
+    bias = others[0] if len(others) == 1 and len(first.args) == 2 else None
+    want = mm.meta["val"]
+    bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+    if (not isinstance(bv, torch.Tensor) or bv.dim() != 1 or bv.shape[0] != want.shape[1]
+            or bv.dtype != want.dtype or bias.name in compute):
+        return [], None
+    chain = [first]
+    if len(first.users) == 1 and len(compute) > 1:
+        (nxt,) = first.users
+        if nxt.name == compute[1] and activation_epilogue(nxt) is not None:
+            chain.append(nxt)
+    return chain, bias
+
+
+def epilogue_name(activation: str | None, has_bias: bool) -> str:
+    """cuBLASLt's epilogue name: the activation's, with _BIAS when a bias is added."""
+    if activation is None:
+        return "BIAS" if has_bias else "DEFAULT"
+    return f"{activation}_BIAS" if has_bias else activation
+
+
+def lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | None,
+             epilogue: str) -> torch.fx.Node:
+    """The ``lt_ops`` call computing ``l_mm`` (an addmm's own bias, or ``bias`` added to an
+    mm) with ``epilogue``, inserted at the graph's insertion point, with ``l_mm``'s meta."""
+    if l_mm.target is aten.addmm.default:
+        call = graph.call_function(lt_addmm, (*l_mm.args[:3], epilogue))
+    elif bias is not None:
+        call = graph.call_function(lt_addmm, (bias, *l_mm.args[:2], epilogue))
+    else:
+        call = graph.call_function(lt_mm, (*l_mm.args[:2], epilogue))
+    call.meta = dict(l_mm.meta)
+    return call
+
+
+__all__ = ["DTYPES", "activation_epilogue", "epilogue_name", "lt_addmm", "lt_call", "lt_chain",
+           "lt_mm", "lt_mm_bgrad"]
