@@ -167,9 +167,15 @@ def _note_key(gm: torch.fx.GraphModule) -> dict:
     return {"graph": hashlib.sha256(canonical_graph(gm).encode()).hexdigest(),
             "devices": devices, "gpus": gpus, "torch": torch.__version__,
             "cudnn": cudnn.version() if cudnn.is_available() else None,
-            "flags": [cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
-                      torch.are_deterministic_algorithms_enabled(),
-                      torch.backends.cuda.matmul.allow_tf32]}
+            "flags": cudnn_flags() + [torch.backends.cuda.matmul.allow_tf32]}
+
+
+def cudnn_flags() -> list:
+    """Every flag that steers cuDNN's choice of convolution kernel (part of the keys of
+    this module's and ``layout``'s precision verdicts)."""
+    cudnn = torch.backends.cudnn
+    return [cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
+            torch.are_deterministic_algorithms_enabled()]
 
 
 def _valid(value: Any) -> bool:
@@ -177,4 +183,4 @@ def _valid(value: Any) -> bool:
             and isinstance(value.get("why"), str))
 
 
-__all__ = ["GraphVerdict", "NOTE_KIND", "outputs_hold"]
+__all__ = ["GraphVerdict", "NOTE_KIND", "cudnn_flags", "outputs_hold"]

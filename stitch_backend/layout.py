@@ -51,7 +51,7 @@ import torch
 import torch.fx
 
 from .correctness import compare
-from .graph_precision import outputs_hold
+from .graph_precision import cudnn_flags, outputs_hold
 from .instance_norm import VIEWS as _VIEWS
 from .instance_norm import merges_batch_into_channels, unmerge_instance_norms
 from .notes import read_note, write_note
@@ -493,8 +493,7 @@ def _note_key(key: tuple, node: torch.fx.Node) -> dict:
     cudnn = torch.backends.cudnn
     return {"conv": repr(key), "gpu": gpu, "torch": torch.__version__,
             "cudnn": cudnn.version() if cudnn.is_available() else None,
-            "flags": [cudnn.allow_tf32, cudnn.benchmark, cudnn.deterministic,
-                      torch.are_deterministic_algorithms_enabled()]}
+            "flags": cudnn_flags()}
 
 
 def _valid_verdict(value: Any) -> bool:
