@@ -416,9 +416,12 @@ class StitchBackend:
         static = cudagraphs.static_input_indices()
         if static is None:
             record.notes.append("static inputs unknown: every input is copied on replay")
-        program.replay = cudagraphs.GraphReplay(program, static)
+        random = cudagraphs.draws_random(program.graph_module)
+        program.replay = cudagraphs.GraphReplay(program, static, random=random)
         record.notes.append("CUDA graph replay on: captured after verification and one "
-                            "warm-up call, checked bit for bit on its first replay")
+                            "warm-up call, checked bit for bit on its first replay"
+                            + (" (random ops: replays draw from torch's default CUDA "
+                               "generator as uncaptured calls would)" if random else ""))
 
     def _verifier_call(self, base, graph_timing: bool = False, **kw):
         """The first-call verification callback for Programs of this backend."""

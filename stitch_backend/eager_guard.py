@@ -14,8 +14,8 @@ graphs that draw random numbers (dropout) are timed with the random generators s
 before and put back after (``torch.random.fork_rng``), so a seeded run draws eager's
 numbers whichever way the guard goes; graphs with symbolic sizes are left alone (one
 shape's timing would decide for all). On an H100 (2026-12-05) KernelBench L2 66
-(Linear, dropout, softmax: every region on ATen, no CUDA graph for its random op) ran
-0.94x eager unguarded: the host time of the compiled call, before its first launch.
+(Linear, dropout, softmax: every region on ATen, no CUDA graph then for its random op)
+ran 0.94x eager unguarded: the host time of the compiled call, before its first launch.
 
 A training graph (forward and backward) is timed as a step: the forward, then
 ``torch.autograd.grad`` of its outputs (weighted by ones) with respect to the inputs that

@@ -22,7 +22,11 @@ def test_reasons_for_not_capturing():
     assert _why(lambda x: x * 2, x, device="cpu") == "inputs are on cpu"
     assert "symbolic shapes" in _why(lambda x: x * 2, x, dynamic=True)
     assert "training graphs" in _why(lambda x: x * 2, x, stage="forward")
-    assert "random op" in _why(lambda x: F.dropout(x, 0.5, True), x)
+    # random ops on the default generator are graph-safe: here only the CPU input stops it
+    assert "input lives on cpu" in _why(lambda x: F.dropout(x, 0.5, True), x)
+    gen = torch.Generator()
+    assert "generator of its own" in _why(
+        lambda x: x + torch.rand(x.shape, generator=gen), x)
     assert "view of one" in _why(lambda x: (x.view(-1), x * 2), x)
     # a training forward may return its inputs (saved for the backward): handed over as
     # views of the caller's; here the CPU input is what stops it
@@ -190,6 +194,48 @@ def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
     out = replay([x, count])
     assert count.item() == 2.0
     torch.testing.assert_close(out, (x * 2.0,), rtol=0, atol=0)
+
+
+def test_a_replayed_program_drawing_random_numbers_draws_what_eager_would(monkeypatch):
+    """Dropout in a replayed Program, on the CPU with the CPU generator standing in for
+    CUDA's: the capture's run, the first replay's reference run and the timing runs
+    leave the generator alone, so each call's mask is the one eager draws at that point
+    of a seeded run, and the generator ends where eager's calls leave it."""
+    from stitch_backend import cudagraphs
+    from stitch_backend.agents.planner import partition
+    from stitch_backend.program import Program
+
+    def f(x):
+        return (F.dropout(x, 0.5, True) * 2,)
+
+    functional = make_fx(f)(torch.randn(64))
+    program = Program(functional, partition(functional, graph_name="g"))
+    assert cudagraphs.draws_random(functional)
+    replay = cudagraphs.GraphReplay(program, set(), random=True)
+
+    class _Graph:
+        def replay(self):  # as a CUDA graph does: draws from the generator as it is now
+            for dst, src in zip(replay.static_outputs, program.run_inputs(replay.static_inputs)):
+                dst.copy_(src)
+
+    monkeypatch.setattr(cudagraphs, "capture", lambda fn: (_Graph(), fn()))
+    monkeypatch.setattr(cudagraphs, "rng_state",
+                        lambda active=True: torch.get_rng_state() if active else None)
+    monkeypatch.setattr(cudagraphs, "rng_set",
+                        lambda state: None if state is None else torch.set_rng_state(state))
+    monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: (fn(), 1.0)[-1])
+    x = torch.randn(64)
+    torch.manual_seed(0)
+    expected = [f(x)[0] for _ in range(3)]
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    replay.warm = True
+    got = [replay([x])[0].clone() for _ in range(3)]
+    assert replay.disabled is None and replay.checked
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert not torch.equal(got[0], got[1])
+    assert torch.equal(torch.get_rng_state(), after_eager)
 
 
 def test_outputs_handed_over_keep_eagers_strides():

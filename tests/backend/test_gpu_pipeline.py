@@ -142,17 +142,30 @@ def test_replayed_outputs_are_never_overwritten(monkeypatch):
     assert not program_replay
 
 
-def test_graphs_with_random_ops_are_not_captured():
+def test_graphs_with_random_ops_are_replayed_and_draw_eagers_numbers():
+    """Dropout and rand_like in a captured graph: each call of a seeded run, replays
+    included, draws what eager draws at that point, and the generator ends where eager's
+    calls leave it (the capture's and checks' extra runs are undone)."""
     from tests.zoo import DropoutModel
 
+    torch.manual_seed(0)
     model = DropoutModel().cuda().train()
-    backend = StitchBackend()
+    backend = StitchBackend(options={"eager_guard": False})
     compiled = torch.compile(model, backend=backend)
+    xs = [torch.randn(4, 32, device="cuda") for _ in range(6)]
     with torch.no_grad():
-        for _ in range(3):
-            compiled(torch.randn(4, 32, device="cuda"))
+        torch.cuda.manual_seed(1)
+        expected = [model(x) for x in xs]
+        after_eager = torch.cuda.get_rng_state()
+        torch.cuda.manual_seed(1)
+        got = [compiled(x).clone() for x in xs]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    assert torch.equal(torch.cuda.get_rng_state(), after_eager)
     (rec,) = backend.records
-    assert any("replay off: random op" in n for n in rec.notes), rec.notes
+    assert any(n.startswith("CUDA graph replay on") for n in rec.notes), rec.notes
+    assert not any("replay off" in n for n in rec.notes), rec.notes
+    assert rec.program.replay.checked and rec.program.replay.graph is not None
 
 
 def test_a_cpu_scalar_constant_runs_inside_a_generated_kernel():
