@@ -223,7 +223,26 @@ class Simplifier:
         # Nested floor division: (x // a) // b == x // (a*b).
         if isinstance(r, FDiv) and q == 0:
             return self._fdiv(r.args[0], r.args[1] * d)
+        common = self._common_factor(r, d)
+        if common is not None:   # (g*y + s) // (g*k) == y // k where 0 <= s < g
+            g, y, _ = common
+            return q + self._fdiv(y, _divides(d, g))
         return q + FDiv(r, d)
+
+    def _common_factor(self, a: sympy.Expr, d: sympy.Expr):
+        """(g, y, s) with a == g*y + s, g > 1 an integer dividing ``d``, 0 <= s < g
+        provably (the largest such g among a's terms' coefficients), or None: the
+        digits of a row-major position that a division by a whole stride ignores
+        (``(36*i1 + 6*i2 + i3) // 288`` is ``i1 // 8`` for i2, i3 < 6)."""
+        coeffs = {abs(int(t.as_coeff_Mul()[0])) for t in sympy.Add.make_args(a)
+                  if t.as_coeff_Mul()[0].is_Integer}
+        for g in sorted((c for c in coeffs if c > 1), reverse=True):
+            if _divides(d, sympy.Integer(g)) is None:
+                continue
+            y, s = self._split(a, sympy.Integer(g))
+            if y != 0 and (s == 0 or self._below(s, sympy.Integer(g))):
+                return g, y, s
+        return None
 
     def _imod(self, a: sympy.Expr, d: sympy.Expr) -> sympy.Expr:
         if d == 1:
@@ -236,6 +255,10 @@ class Simplifier:
         # (x % (a*b)) // a style patterns are left alone; x % a where x = y % (a*k) -> y % a.
         if isinstance(r, IMod) and _divides(r.args[1], d) is not None:
             return self._imod(r.args[0], d)
+        common = self._common_factor(r, d)
+        if common is not None:   # (g*y + s) % (g*k) == g*(y % k) + s where 0 <= s < g
+            g, y, s = common
+            return sympy.expand(g * self._imod(y, _divides(d, sympy.Integer(g))) + s)
         return IMod(r, d)
 
     def _merge_div_mod(self, e: sympy.Expr) -> sympy.Expr:

@@ -280,6 +280,10 @@ NORMS = [
     _c("norm_group_norm", lambda a, w, b: F.group_norm(a, 3, w, b), X4, T((6,)), T((6,))),
     _c("norm_group_norm_outputs", lambda a, w, b: torch.ops.aten.native_group_norm(a, w, b, 2, 6, 35, 2, 1e-5),
        X4, T((6,)), T((6,))),
+    # F.instance_norm as Dynamo hands it over (L2 17): batch norm over a (1, N*C, H, W)
+    # view, its result viewed back and divided: one kernel, the divide in its stores
+    _c("norm_instance_norm_viewed_back", lambda a: torch.ops.aten._native_batch_norm_legit.no_stats(
+        a.view(1, 12, 5, 7), None, None, True, 0.1, 1e-5)[0].view(2, 6, 5, 7) / 2.0, X4),
     _c("norm_instance_norm_manual", lambda a: (a - a.mean((2, 3), keepdim=True))
        / torch.sqrt(a.var((2, 3), keepdim=True, correction=0) + 1e-5), X4),
     _c("norm_cross_entropy_mean", lambda a, t: F.cross_entropy(a, t), X, T((6,), i64, "int:0:40")),

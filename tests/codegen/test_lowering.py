@@ -90,6 +90,27 @@ def test_simplifier_undoes_view_round_trips():
     assert simp.simplify(ix.IMod(flat, 4)) == ix.IMod(i1, 4)
 
 
+def test_simplifier_drops_the_digits_a_division_by_a_whole_stride_ignores():
+    """A (1, 32, 6, 6) position read back through a view to (4, 8, 6, 6) and on to the
+    channel of the first shape: ``8*((36*c + 6*h + w) // 288) + c % 8`` is ``c``."""
+    c, h, w = ix.loop_var(1), ix.loop_var(2), ix.loop_var(3)
+    simp = ix.Simplifier({c: (0, 31), h: (0, 5), w: (0, 5)})
+    flat = 36 * c + 6 * h + w
+    assert simp.simplify(ix.FDiv(flat, 288)) == ix.FDiv(c, 8)
+    assert simp.simplify(8 * ix.FDiv(flat, 288) + ix.IMod(ix.FDiv(flat, 36), 8)) == c
+    assert simp.simplify(ix.IMod(flat, 288)) == 36 * ix.IMod(c, 8) + 6 * h + w
+    # the digits below the factor must be provably smaller than it: w alone may be 5 > 3
+    wide = ix.Simplifier({c: (0, 31), w: (0, 5)})
+    assert "FDiv(3*" in str(wide.simplify(ix.FDiv(3 * c + w, 6)))
+
+
+def test_an_instance_norm_viewed_back_is_one_kernel_with_its_divide():
+    """L2 17's region: before, the divide after the view back was a second kernel that
+    read and wrote the whole tensor again."""
+    k = generate(_trace(BY_NAME["norm_instance_norm_viewed_back"].fn, torch.randn(2, 6, 5, 7)), "inorm")
+    assert k.kind == "reduction" and "aten.div.Tensor" in k.ops
+
+
 def test_views_lower_to_plain_offsets():
     gm = _trace(lambda a: (a.view(2, 3, 40).permute(2, 0, 1).reshape(40, 6).t() * 2).contiguous(),
                 torch.randn(6, 40))
