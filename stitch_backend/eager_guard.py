@@ -39,7 +39,6 @@ import torch
 from . import cudagraphs
 from .correctness import flatten_outputs
 from .mutations import nbytes, restored
-from .opclass import OpClass, classify
 
 log = logging.getLogger("stitch_backend.eager_guard")
 
@@ -78,10 +77,7 @@ def draws_random(records: Sequence[Any]) -> bool:
     """Whether a graph of ``records`` draws random numbers (dropout): its timing calls
     then run inside ``torch.random.fork_rng``, so the user's generators are where the
     user's own call left them."""
-    return any(rec.gm is not None and any(n.op == "call_function"
-                                          and classify(n) is OpClass.RANDOM
-                                          for n in rec.gm.graph.nodes)
-               for rec in records)
+    return any(rec.gm is not None and cudagraphs.draws_random(rec.gm) for rec in records)
 
 
 class EagerGuard:
