@@ -52,7 +52,8 @@ log = logging.getLogger("stitch_backend.agents.planner")
 
 aten = torch.ops.aten
 
-_FUSIBLE = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY}
+_FUSIBLE = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY,
+            OpClass.GATHER}
 _ANCHOR_KIND = {OpClass.GEMM: RegionKind.GEMM, OpClass.CONV: RegionKind.CONV,
                 OpClass.ATTENTION: RegionKind.ATTENTION}
 # Batch norms a convolution region may absorb (eval-mode folding, training epilogue).

@@ -25,6 +25,7 @@ class OpClass(enum.Enum):
     REDUCTION = "reduction"  # sum/mean/amax/var/...
     NORM = "norm"            # softmax and the normalisations (row reductions + pointwise)
     FACTORY = "factory"      # constants with no tensor input (full, scalar_tensor, ...)
+    GATHER = "gather"        # each output element reads one input element at a loaded index
     VIEW = "view"            # free: no data moves (views, getitem of a multi-output op)
     RANDOM = "random"        # draws from the generator: stays on ATen, in eager's order
     SYMBOLIC = "symbolic"    # host-side size arithmetic on SymInts
@@ -104,6 +105,13 @@ POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
                       aten.floor_divide, aten.copysign, aten.fix) if not _mutates(op))
 
 
+# Reads at data-dependent indices (cross entropy's gather of the target's log
+# probability, embeddings): fused into regions (codegen.lower_views, every index checked
+# against its extent in the kernel, as ATen's checks it), never into a gemm/conv
+# epilogue, and never moved between layouts as a pointwise op would be.
+GATHER_OPS = _ops(aten.gather.default, aten.index_select.default, aten.embedding.default)
+
+
 def classify(node: torch.fx.Node) -> OpClass:
     """The OpClass of one call_function node (placeholders and outputs are not asked)."""
     target = node.target
@@ -127,7 +135,8 @@ def classify(node: torch.fx.Node) -> OpClass:
     for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),
                      (ATTENTION_OPS, OpClass.ATTENTION), (VIEW_OPS, OpClass.VIEW),
                      (NORM_OPS, OpClass.NORM), (REDUCTION_OPS, OpClass.REDUCTION),
-                     (FACTORY_OPS, OpClass.FACTORY), (POINTWISE_EXTRA, OpClass.POINTWISE)):
+                     (FACTORY_OPS, OpClass.FACTORY), (POINTWISE_EXTRA, OpClass.POINTWISE),
+                     (GATHER_OPS, OpClass.GATHER)):
         if target in ops:
             return cls
     if torch.Tag.pointwise in tags and not _mutates(target):

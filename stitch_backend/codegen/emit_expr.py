@@ -97,6 +97,7 @@ class ExprEmitter:
         self.k = kernel
         self.IDX = kernel.IDX
         self.data = dict(ir.data_vars)
+        self.extents = dict(ir.data_extents)
         self.red_names: dict = {}
         self.overrides: dict = {}
         self.override_deps: set = set()
@@ -166,6 +167,11 @@ class ExprEmitter:
         name = f"{g}_{self.count}"
         self.count += 1
         target.lines.append(f"{target.ind}const {self.IDX} {name} = ({self.IDX})({val});")
+        extent = self.extents.get(g)
+        if extent is not None:   # ATen raises on an index out of range; so does the kernel
+            bound = self.print_index(extent, self.IDX, {})
+            target.lines.append(f"{target.ind}if ((unsigned long long){name} >= "
+                                f"(unsigned long long)({bound})) __trap();  // index out of range")
         target.names[g] = name
         return name
 

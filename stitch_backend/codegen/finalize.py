@@ -209,7 +209,8 @@ def _tidy(ctx: Ctx, outputs: list[TensorArg], stores: list[Store], int_inputs) -
         name=ctx.name, ops=tuple(ctx.ops), inputs=tuple(ctx.inputs), outputs=tuple(outputs),
         n_region_inputs=len([n for n in ctx.gm.graph.nodes if n.op == "placeholder"]),
         symbols=symbols, domain=domain, reductions=tuple(k.reductions), stores=tuple(k.stores),
-        data_vars=tuple(k.data), int_inputs=tuple(int_inputs))
+        data_vars=tuple(k.data), int_inputs=tuple(int_inputs),
+        data_extents=tuple((s, ctx.data_ranges[s][1] + 1) for s, _ in k.data))
 
 
 def _reference_expr(ctx: Ctx, k: _Kernel) -> sympy.Expr | None:

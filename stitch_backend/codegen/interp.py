@@ -93,6 +93,7 @@ class _Run:
             shape[a] = n
             self.var_t[v] = torch.arange(n, dtype=torch.int64).reshape(shape)
         self.data = dict(ir.data_vars)
+        self.extents = dict(ir.data_extents)
         self.data_t: dict = {}
         self.flat = {}
         for arg in ir.inputs:
@@ -111,7 +112,12 @@ class _Run:
                 return self.var_t[e]
             if ix.is_data_var(e):
                 if e not in self.data_t:
-                    self.data_t[e] = self.expr(self.data[e]).to(torch.int64)
+                    t = self.expr(self.data[e]).to(torch.int64)
+                    extent = self.index(self.extents[e]) if e in self.extents else None
+                    if extent is not None and t.numel() and bool(((t < 0) | (t >= extent)).any()):
+                        raise IndexError(f"index out of range: a gathered index outside "
+                                         f"[0, {extent}) (the kernel traps here)")
+                    self.data_t[e] = t
                 return self.data_t[e]
             return self.values[e]
         if not any(ix.is_loop_var(s) or ix.is_data_var(s) for s in e.free_symbols):

@@ -301,6 +301,8 @@ class KernelIR:
     reductions: tuple[Reduction, ...]
     stores: tuple[Store, ...]
     data_vars: tuple[tuple[sympy.Symbol, Expr], ...] = ()
+    # each data var's extent: an index outside [0, extent) is an error, as in ATen
+    data_extents: tuple[tuple[sympy.Symbol, sympy.Expr], ...] = ()
     int_inputs: tuple[tuple[int, int], ...] = ()  # (position, value) of static int inputs
     notes: tuple[str, ...] = field(default=())
 

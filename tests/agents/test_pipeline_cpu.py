@@ -271,3 +271,34 @@ def test_a_tensor_constant_in_forward_is_inlined_into_the_generated_kernel():
         regions = [r for r in _regions(backend) if r.ops]
         assert all(r.backend == "kernel" for r in regions), [r.reason for r in regions]
         assert any("aten.minimum.default" in r.ops for r in regions)
+
+
+def test_gathers_run_in_generated_kernels_with_eagers_values():
+    """Cross entropy's gather of the target's log probability and an embedding lookup
+    are fused into generated kernels (before, each was an ATen region of its own: "no
+    stitchcuda template covers aten.gather.default"), with eager's values."""
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 16)
+
+        def forward(self, tokens, logits, target):
+            return self.emb(tokens) * 2.0, F.cross_entropy(logits, target)
+
+    torch.manual_seed(0)
+    model = Tagger()
+    inputs = (torch.randint(0, 50, (4, 7)), torch.randn(32, 40), torch.randint(0, 40, (32,)))
+    backend = StitchBackend(options=OPTIONS)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(*inputs)
+        got = compiled(*inputs)
+        want = model(*inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    regions = _regions(backend)
+    gathers = [r for r in regions if any(op in ("aten.gather.default", "aten.embedding.default")
+                                         for op in r.ops)]
+    assert len(gathers) == 2, [r.ops for r in regions]
+    for r in gathers:
+        assert r.backend == "kernel" and r.kernel, (r.ops, r.reason)

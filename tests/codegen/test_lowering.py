@@ -303,3 +303,18 @@ def test_outputs_live_on_the_device_of_what_the_kernel_reads():
     assert [t.device.type for t in plan.reads] == ["meta"]   # what the runner checks
     plan = launch_plan(layout, [torch.empty(4, 8, device="meta"), torch.randn(4, 8)])
     assert plan.outputs[0].device.type == "cpu"
+
+
+def test_a_gathered_index_out_of_range_is_an_error_as_in_aten():
+    """The kernel checks each gathered index against its extent (``__trap()``, where ATen's
+    CUDA kernels raise a device-side assert); the interpreter raises IndexError."""
+    fn = lambda a, t: torch.gather(a, 1, t.unsqueeze(1)).squeeze(1) * 2  # noqa: E731
+    a, t = torch.randn(6, 40), torch.randint(0, 40, (6,))
+    k = generate(_trace(fn, a, t), "gath")
+    assert "__trap()" in k.source and "(unsigned long long)(40)" in k.source
+    torch.testing.assert_close(k.interpret([a, t])[0], fn(a, t))
+    for bad in (40, -1):
+        t_bad = t.clone()
+        t_bad[3] = bad
+        with pytest.raises(IndexError, match="out of range"):
+            k.interpret([a, t_bad])
