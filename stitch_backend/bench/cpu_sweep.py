@@ -9,10 +9,11 @@ Program, forward and backward) on shapes a CPU can afford, so what breaks on rea
 shows up before any device time is spent. Speed means nothing here.
 
 Each problem file's module-level integer assignments are rewritten before it runs:
-``batch_size`` becomes 2, sizes with a size-like name above 32 become 32, in lists of
-sizes too (``--batch-only`` leaves them; L3 2's ``hidden_layer_sizes = [32768, 32768]``
-kept whole took 23.7 GB and the OOM killer ended the sweep), group counts above 8
-become 8. A problem whose own shapes do not survive
+``batch_size`` becomes 2, sizes with a size-like name above 32 become 32, in lists and
+tuples of sizes too, products of integers (``8192 * 2``) read as their value
+(``--batch-only`` leaves them; L3 2's ``hidden_layer_sizes = [32768, 32768]`` kept whole
+took 23.7 GB and the OOM killer ended the sweep, as L1 98's ``8192 * 2`` did), group
+counts above 8 become 8. A problem whose own shapes do not survive
 that fails at construction; run it again with ``--batch-only``.
 
 Per problem: the module in training mode, its inputs, a training step (forward, the
@@ -47,11 +48,21 @@ from ..correctness import compare
 from .problems import select_kernelbench
 from .steps import AUTOCAST, LossWeights, autocast, training_step
 
-_SIZE_NAME = re.compile(r"(height|width|depth|length|seq|dim|size|features|channels|hidden|"
+_SIZE_NAME = re.compile(r"(height|width|depth|length|seq|dim|size|shape|features|channels|hidden|"
                         r"embed|len|_h$|_w$|_d$|^[hwdnmkl]$|^[MNK]$)", re.I)
-_ASSIGN = re.compile(r"^(\w+(?:\s*=\s*\w+)*)\s*=\s*(\d+)\s*(#.*)?$")
-# a list of sizes (``hidden_layer_sizes = [32768, 32768]``, ``[1024] * 16``)
-_ASSIGN_LIST = re.compile(r"^(\w+)\s*=\s*\[([\d\s,]+)\](.*)$")
+# an integer, or a product of integers (L1 98's ``batch_size = 8192 * 2``)
+_INT = r"\d+(?:\s*\*\s*\d+)*"
+_ASSIGN = re.compile(rf"^(\w+(?:\s*=\s*\w+)*)\s*=\s*({_INT})\s*(#.*)?$")
+# a list or tuple of sizes (``hidden_layer_sizes = [32768, 32768]``, ``[1024] * 16``,
+# ``input_shape = (8192 * 2,)``)
+_ASSIGN_LIST = re.compile(r"^(\w+)\s*=\s*([\[(])([\d\s,*]+)[\])](.*)$")
+
+
+def _product(text: str) -> int:
+    value = 1
+    for factor in text.split("*"):
+        value *= int(factor)
+    return value
 
 
 def shrink(source: str, *, batch: int = 2, sizes: bool = True) -> str:
@@ -61,7 +72,7 @@ def shrink(source: str, *, batch: int = 2, sizes: bool = True) -> str:
         m = _ASSIGN.match(line)
         if m:
             names = [n.strip() for n in m.group(1).split("=")]
-            value = int(m.group(2))
+            value = _product(m.group(2))
             if "batch_size" in names:
                 line = f"{m.group(1)} = {batch}"
             elif value > 8 and any("group" in n for n in names):
@@ -70,8 +81,9 @@ def shrink(source: str, *, batch: int = 2, sizes: bool = True) -> str:
                 line = f"{m.group(1)} = 32"
         listed = _ASSIGN_LIST.match(line)
         if sizes and listed and _SIZE_NAME.search(listed.group(1)):
-            values = [min(int(v), 32) for v in listed.group(2).split(",") if v.strip()]
-            line = f"{listed.group(1)} = {values}{listed.group(3)}"
+            values = [min(_product(v), 32) for v in listed.group(3).split(",") if v.strip()]
+            shown = str(values) if listed.group(2) == "[" else str(tuple(values))
+            line = f"{listed.group(1)} = {shown}{listed.group(4)}"
         out.append(line)
     return "\n".join(out) + "\n"
 

@@ -49,6 +49,15 @@ def test_shrink_rewrites_lists_of_sizes():
     assert "[32768, 16]" in shrink("hidden_layer_sizes = [32768, 16]\n", sizes=False)
 
 
+def test_shrink_reads_products_and_tuples_of_sizes():
+    """L1 98 (KLDivLoss): ``batch_size = 8192 * 2`` and ``input_shape = (8192 * 2,)``
+    kept whole made 16384 x 16384 inputs, and the OOM killer ended the sweep."""
+    text = shrink("batch_size = 8192 * 2\ninput_shape = (8192 * 2,)\ndim = 4 * 1024\n"
+                  "kernel_shape = (3, 64)\n")
+    assert text.splitlines() == ["batch_size = 2", "input_shape = (32,)", "dim = 32",
+                                 "kernel_shape = (3, 32)"]
+
+
 def test_a_sweep_runs_training_steps_and_says_what_broke(tmp_path, capsys):
     level = tmp_path / "level2"
     level.mkdir()
