@@ -168,6 +168,41 @@ def test_graphs_with_random_ops_are_replayed_and_draw_eagers_numbers():
     assert rec.program.replay.checked and rec.program.replay.graph is not None
 
 
+def test_a_gather_out_of_range_fails_loudly_as_eager_does():
+    """Cross entropy's gather runs in a generated kernel with eager's values; a target
+    outside the classes makes the call fail with a CUDA error (the kernel's bounds check
+    traps, as ATen's kernels assert), never a silent value. In a subprocess: the error
+    is sticky for the process's CUDA context."""
+    script = textwrap.dedent("""
+        import json, sys, torch
+        import torch.nn.functional as F
+        sys.path.append(%r)
+        from stitch_backend.backend import StitchBackend
+        backend = StitchBackend(options={"require_speedup": False, "eager_guard": False})
+        loss = torch.compile(lambda a, t: F.cross_entropy(a, t), backend=backend)
+        a = torch.randn(64, 100, device="cuda")
+        t = torch.randint(0, 100, (64,), device="cuda")
+        with torch.no_grad():
+            got = [loss(a, t) for _ in range(4)]
+        ok = all(torch.allclose(g, F.cross_entropy(a, t), atol=1e-5, rtol=1e-5) for g in got)
+        regions = [r for rec in backend.records for r in rec.plan.regions]
+        gather = [r.backend for r in regions if "aten.gather.default" in r.ops]
+        print(json.dumps({"ok": ok, "gather": gather}), flush=True)
+        bad = t.clone()
+        bad[5] = 100
+        with torch.no_grad():
+            value = loss(a, bad)
+        torch.cuda.synchronize()
+        print("NO ERROR", float(value), flush=True)
+    """ % str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    import json
+    proc = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True)
+    first = json.loads(proc.stdout.strip().splitlines()[0])
+    assert first == {"ok": True, "gather": ["kernel"]}, (first, proc.stderr[-2000:])
+    assert proc.returncode != 0 and "NO ERROR" not in proc.stdout, proc.stdout
+    assert "CUDA" in proc.stderr or "cuda" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_cpu_scalar_constant_runs_inside_a_generated_kernel():
     """``torch.min(x, torch.tensor(0.5))`` on a CUDA ``x``: the CPU constant is inlined,
     so the region (tanh, minimum, mul) runs as one verified kernel, not on ATen."""
