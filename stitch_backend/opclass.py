@@ -152,9 +152,6 @@ def pool_unsupported(node: torch.fx.Node) -> str | None:
     if node.target in MAX_POOL_OPS and reads_indices(node):
         return (f"{name}'s indices are read (by a backward, say): the generated pooling "
                 "computes only the values")
-    ceil_at = 5 if node.target in MAX_POOL_OPS else 4
-    if len(node.args) > ceil_at and node.args[ceil_at] or node.kwargs.get("ceil_mode"):
-        return f"{name} in ceil mode: the generated pooling takes floor-mode windows"
     x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         return f"{name} of a non-floating-point input"

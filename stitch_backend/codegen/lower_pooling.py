@@ -5,7 +5,10 @@ reaches ATen as 2-D): a reduction over a lazy tensor of the windows.
 read at a clamped position and replaced by the pooling's padding value (-inf for max,
 0 for average) where the position falls in the padding; the pooled value is the max
 (NaN propagating, as ATen's pooling kernels) or the sum over the window dims divided as
-ATen divides. Floor mode only (``ceil_mode`` windows may start in the padding). Max
+ATen divides. In ceil mode the last window of a dim may reach past the input (and its
+padding): those positions read the fill too, and an average divides by the window's
+part within the padded input (``count_include_pad``) or within the input, as ATen's
+kernels do; ATen's output size rule drops a last window that would start past it. Max
 pooling's indices are not computed: a graph that reads them keeps ATen's op (the
 Planner does not fuse it: ``opclass.classify``). Windows that tile their input exactly
 are rewritten earlier into a view and an ``amax``/``mean`` (``stitch_backend.pooling``).
@@ -47,7 +50,7 @@ def _per_dim(v, n: int, what: str) -> list[int]:
 class _Window:
     """One pooling's geometry over the last ``n`` dims of ``x``."""
 
-    def __init__(self, x: LT, n: int, kernel, stride, padding, dilation):
+    def __init__(self, x: LT, n: int, kernel, stride, padding, dilation, ceil: bool = False):
         if x.ndim < n + 1:
             raise Unsupported(f"pooling over {n} dims of a {x.ndim}-D input")
         sizes = x.shape[-n:]
@@ -59,10 +62,17 @@ class _Window:
         self.stride = _per_dim(stride or self.kernel, n, "stride")
         self.padding = _per_dim(padding, n, "padding")
         self.dilation = _per_dim(dilation, n, "dilation")
-        self.out = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, k, st, p, d in zip(
+        self.out = [_out_size(s, k, st, p, d, ceil) for s, k, st, p, d in zip(
             self.sizes, self.kernel, self.stride, self.padding, self.dilation)]
         if min(self.out) < 1:
             raise Unsupported("pooling with an empty output")
+        # dims whose windows may read outside the input: padding, or a ceil-mode window
+        # reaching past the end
+        self.guarded = [i for i in range(n) if self.padding[i] or (
+            (self.out[i] - 1) * self.stride[i] - self.padding[i]
+            + self.dilation[i] * (self.kernel[i] - 1) > self.sizes[i] - 1)]
+        self.overhang = any((o - 1) * st - p + k > size + p for o, st, p, k, size in zip(
+            self.out, self.stride, self.padding, self.kernel, self.sizes))
 
     def starts(self, outs) -> list[sympy.Expr]:
         """Each dim's window start (in the unpadded input, may be negative)."""
@@ -76,7 +86,7 @@ class _Window:
         def fn(o):
             head, outs, ks = o[:len(lead)], o[len(lead):len(lead) + n], o[len(lead) + n:]
             pos = [st + k * d for st, k, d in zip(self.starts(outs), ks, self.dilation)]
-            padded = [i for i in range(n) if self.padding[i]]
+            padded = self.guarded
             at = [sympy.Max(0, sympy.Min(pos[i], self.sizes[i] - 1)) if i in padded else pos[i]
                   for i in range(n)]
             value = x.at(tuple(head) + tuple(at))
@@ -100,11 +110,21 @@ class _Window:
         return tuple(range(nd - self.n, nd))
 
 
+def _out_size(size: int, k: int, stride: int, pad: int, dilation: int, ceil: bool) -> int:
+    """ATen's pooling output size (``pooling_output_shape``): in ceil mode one more
+    window where the division leaves a remainder, unless it would start past the input
+    and its left padding."""
+    out = (size + 2 * pad - dilation * (k - 1) - 1 + (stride - 1 if ceil else 0)) // stride + 1
+    if ceil and (out - 1) * stride >= size + pad:
+        out -= 1
+    return out
+
+
 def _max_pool(n: int):
     def fn(ctx, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
         _check(node)
         out = _dt(node, 0)
-        w = _Window(x, n, kernel_size, stride, padding, dilation)
+        w = _Window(x, n, kernel_size, stride, padding, dilation, bool(ceil_mode))
         c = opmath(out)
         xa = pointwise([x], lambda e: cast(e, c), c)
         m = ctx.reduce("max", w.windows(xa, float("-inf")), w.dims(x), False, c,
@@ -123,7 +143,7 @@ def _avg_pool(n: int):
            count_include_pad=True, divisor_override=None):
         _check(node)
         out = _dt(node)
-        w = _Window(x, n, kernel_size, stride, padding, 1)
+        w = _Window(x, n, kernel_size, stride, padding, 1, bool(ceil_mode))
         c = opmath(out)
         xa = pointwise([x], lambda e: cast(e, c), c)
         s = ctx.reduce("sum", w.windows(xa, 0.0), w.dims(x), False, c, what=str(node.target))
@@ -132,9 +152,15 @@ def _avg_pool(n: int):
         def divisor(o):
             if divisor_override:
                 return Const(c, float(divisor_override))
-            if count_include_pad or not any(w.padding):
-                # floor mode: every window lies inside the padded input
+            if (count_include_pad or not any(w.padding)) and not w.overhang:
+                # every window lies inside the padded input
                 return Const(c, float(math.prod(w.kernel)))
+            if count_include_pad:
+                # ceil mode: the window's part within the padded input
+                count = sympy.Integer(1)
+                for st, k, size, p in zip(w.starts(o[lead:]), w.kernel, w.sizes, w.padding):
+                    count *= sympy.Min(st + k, size + p) - st
+                return cast(IndexVal(torch.int32, count), c)
             # the window's positions inside the unpadded input
             count = sympy.Integer(1)
             for st, k, size in zip(w.starts(o[lead:]), w.kernel, w.sizes):

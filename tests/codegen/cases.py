@@ -230,6 +230,15 @@ REDUCTIONS = [
        T((2, 3, 8, 8))),
     _c("pool_avg3d", lambda a: F.avg_pool3d(a, 3, 2, 1), T((2, 2, 9, 10, 11))),
     _c("pool_avg2d_unbatched", lambda a: F.avg_pool2d(a, 2, 1), T((3, 6, 7))),
+    # ceil mode (SqueezeNet's and GoogLeNet's max pools): last windows past the input
+    _c("pool_max2d_ceil", lambda a: F.max_pool2d(a, 3, 2, ceil_mode=True), T((2, 3, 14, 13))),
+    _c("pool_max2d_ceil_pad", lambda a: F.max_pool2d(a, 3, 2, 1, ceil_mode=True), T((2, 3, 10, 9))),
+    _c("pool_max3d_ceil", lambda a: F.max_pool3d(a, 2, 2, ceil_mode=True), T((2, 2, 5, 7, 6))),
+    _c("pool_avg2d_ceil", lambda a: F.avg_pool2d(a, 3, 2, ceil_mode=True), T((2, 3, 14, 13))),
+    _c("pool_avg2d_ceil_pad", lambda a: F.avg_pool2d(a, 3, 2, 1, ceil_mode=True), T((2, 3, 10, 9))),
+    _c("pool_avg2d_ceil_exclude_pad", lambda a: F.avg_pool2d(
+        a, 3, 2, 1, ceil_mode=True, count_include_pad=False), T((2, 3, 10, 9))),
+    _c("pool_avg1d_ceil", lambda a: F.avg_pool1d(a, 4, 3, ceil_mode=True), T((2, 3, 50))),
     # concatenation: each element from the input its index falls in (codegen.lower_views)
     _c("cat_rows", lambda a, b: torch.cat([a, b], 0), T((3, 5)), T((4, 5))),
     _c("cat_three_then_relu", lambda a, b, c: torch.relu(torch.cat([a, b * 2, c], 1)),
