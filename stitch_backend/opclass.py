@@ -88,7 +88,7 @@ VIEW_OPS = _ops(aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.e
                 aten.t, aten.transpose, aten.unsqueeze, aten.squeeze, aten.slice,
                 aten.select, aten.alias, aten.as_strided, aten.split, aten.split_with_sizes,
                 aten.unbind, aten.chunk, aten.narrow, aten.view_as, aten.expand_as,
-                aten.detach, aten.lift_fresh_copy)
+                aten.detach, aten.lift_fresh_copy, aten.unfold.default)
 # Pooling: a reduction over each window (``codegen.lower_pooling``), where max pooling's
 # indices are not read (then it stays on ATen, which computes them).
 MAX_POOL_OPS = _ops(aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
@@ -100,11 +100,15 @@ POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
 # floor_divide, copysign and fix carry no pointwise tag in 2.13); their out= overloads
 # (which write an argument) stay out.
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
-                       torch.ops.prims.convert_element_type, aten.cat.default) | frozenset(
+                       torch.ops.prims.convert_element_type, aten.cat.default,
+                       aten.constant_pad_nd.default) | frozenset(
     op for op in _ops(aten.leaky_relu, aten.hardswish, aten.rsub, aten.fmod, aten.remainder,
                       aten.floor_divide, aten.copysign, aten.fix) if not _mutates(op))
 
 
+# Copies whose element positions depend on the layout's dim order (a concatenation's or
+# a pad's dims): pointwise for the Planner, but never moved to another layout's form.
+SHAPED_COPY_OPS = _ops(aten.cat.default, aten.constant_pad_nd.default)
 # Reads at data-dependent indices (cross entropy's gather of the target's log
 # probability, embeddings): fused into regions (codegen.lower_views, every index checked
 # against its extent in the kernel, as ATen's checks it), never into a gemm/conv

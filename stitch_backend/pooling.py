@@ -128,7 +128,7 @@ def _before_the_permute(graph: torch.fx.Graph, reduced: torch.fx.Node, pooled: t
     the same values with the same strides, and the pooling's kernel can then compute them
     on the rows it reduced (after the permute, a kernel would read the reduction at
     other rows than its own, which the fused template cannot)."""
-    from .opclass import OpClass, classify
+    from .opclass import SHAPED_COPY_OPS, OpClass, classify
 
     cone: list[torch.fx.Node] = []
     members = {pooled}
@@ -136,7 +136,8 @@ def _before_the_permute(graph: torch.fx.Graph, reduced: torch.fx.Node, pooled: t
         if nd.op != "call_function" or nd.kwargs or nd in members:
             continue
         inputs = nd.all_input_nodes
-        if inputs and all(i in members for i in inputs) and classify(nd) is OpClass.POINTWISE:
+        if inputs and all(i in members for i in inputs) and classify(nd) is OpClass.POINTWISE \
+                and nd.target not in SHAPED_COPY_OPS:
             members.add(nd)
             cone.append(nd)
     if not cone:

@@ -2,9 +2,10 @@
 
 reshape/view split and merge dims (one linearise/delinearise per group of dims whose
 sizes match), permute/transpose reorder, expand/unsqueeze/squeeze insert or drop
-constant-0 indices, slice/select/narrow/split offset them; cat picks the input its index
-falls in; gather/index_select/embedding index with a loaded value (a data-dependent
-index symbol).
+constant-0 indices, slice/select/narrow/split offset them, unfold (sliding windows, a
+ViT's patches) reads window position times step plus offset; cat picks the input its
+index falls in, constant_pad_nd reads its input inside and the value outside;
+gather/index_select/embedding index with a loaded value (a data-dependent index symbol).
 """
 
 from __future__ import annotations
@@ -183,6 +184,18 @@ def _split(ctx, node, x, arg=None, dim=0):
     return tuple(outs)
 
 
+@rule(aten.unfold.default)
+def _unfold(ctx, node, x, dim, size, step):
+    """Windows of ``size`` every ``step`` along ``dim``, as a last dim: window ``w``'s
+    element ``k`` is ``x[..., w * step + k, ...]``."""
+    dim = _norm_dim(dim, x.ndim)
+
+    def fn(o):
+        at = o[dim] * step + o[-1] if x.ndim else o[-1]
+        return x.at(o[:dim] + (at,) + o[dim + 1:-1])
+    return LT(_shape(node), x.dtype, fn)
+
+
 # ----------------------------------------------------------------------------- concatenation
 
 
@@ -220,6 +233,37 @@ def _cat(ctx, node, tensors, dim=0):
                          Const(index_type, starts[i + 1]))
             value = _op("where", out, before, read(i), value)
         return value
+    return LT(shape, out, fn)
+
+
+@rule(aten.constant_pad_nd.default)
+def _constant_pad(ctx, node, x, pad, value=0):
+    """``pad`` = (before, after) pairs from the last dim backwards, negative ones
+    cropping: inside, the input at the index less its ``before`` (read at a clamped
+    position, never outside its memory); outside, ``value``."""
+    out, shape = _dt(node), _shape(node)
+    pairs = [(pad[2 * i], pad[2 * i + 1]) for i in range(len(pad) // 2)]
+    if not all(isinstance(v, int) for pair in pairs for v in pair) or not all(
+            sympy.sympify(n).is_Integer for n in x.shape):
+        raise Unsupported("constant_pad_nd with symbolic sizes or pads")
+    sizes = [int(n) for n in x.shape]
+    index_type = torch.int32 if max(sizes + [1]) < 2 ** 31 else torch.int64
+    nd = len(sizes)
+
+    def fn(o):
+        at, inside = list(o), None
+        for i, (before, _) in enumerate(pairs):
+            d = nd - 1 - i
+            pos = o[d] - before
+            at[d] = sympy.Max(0, sympy.Min(pos, sizes[d] - 1))
+            if before > 0 or int(shape[d]) - before > sizes[d]:
+                p = IndexVal(index_type, pos)
+                ok = _op("logical_and", torch.bool,
+                         _op("ge", torch.bool, p, Const(index_type, 0)),
+                         _op("lt", torch.bool, p, Const(index_type, sizes[d])))
+                inside = ok if inside is None else _op("logical_and", torch.bool, inside, ok)
+        read = cast(x.at(tuple(at)), out)
+        return read if inside is None else _op("where", out, inside, read, Const(out, value))
     return LT(shape, out, fn)
 
 

@@ -230,6 +230,14 @@ REDUCTIONS = [
        T((2, 3, 8, 8))),
     _c("pool_avg3d", lambda a: F.avg_pool3d(a, 3, 2, 1), T((2, 2, 9, 10, 11))),
     _c("pool_avg2d_unbatched", lambda a: F.avg_pool2d(a, 2, 1), T((3, 6, 7))),
+    # a ViT's patches: sliding windows as a last dim, then a copy
+    _c("view_unfold_patches", lambda a: a.unfold(2, 4, 4).unfold(3, 4, 4).reshape(2, 3, -1, 16) * 2,
+       T((2, 3, 8, 12))),
+    _c("view_unfold_overlapping", lambda a: a.unfold(-1, 5, 2).exp(), T((3, 4, 17))),
+    # F.pad: constant_pad_nd, padding and cropping (negative pads), then a pointwise op
+    _c("pad_constant", lambda a: F.pad(a, (1, 2, 3, 0), value=-1.5) + 1, T((2, 3, 5, 6))),
+    _c("pad_crop", lambda a: F.pad(a, (-1, 2, 0, -2)).tanh(), T((2, 3, 5, 6))),
+    _c("pad_then_sum", lambda a: F.pad(a, (0, 3)).sum(-1), T((4, 7))),
     # ceil mode (SqueezeNet's and GoogLeNet's max pools): last windows past the input
     _c("pool_max2d_ceil", lambda a: F.max_pool2d(a, 3, 2, ceil_mode=True), T((2, 3, 14, 13))),
     _c("pool_max2d_ceil_pad", lambda a: F.max_pool2d(a, 3, 2, 1, ceil_mode=True), T((2, 3, 10, 9))),
