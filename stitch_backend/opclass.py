@@ -114,6 +114,7 @@ SHAPED_COPY_OPS = _ops(aten.cat.default, aten.constant_pad_nd.default)
 # against its extent in the kernel, as ATen's checks it), never into a gemm/conv
 # epilogue, and never moved between layouts as a pointwise op would be.
 GATHER_OPS = _ops(aten.gather.default, aten.index_select.default, aten.embedding.default)
+# (and aten.index.Tensor with one integer index tensor: ``classify``)
 
 
 def classify(node: torch.fx.Node) -> OpClass:
@@ -136,6 +137,8 @@ def classify(node: torch.fx.Node) -> OpClass:
         return OpClass.OTHER if pool_unsupported(node) else OpClass.REDUCTION
     if torch.Tag.nondeterministic_seeded in tags:
         return OpClass.RANDOM
+    if target is aten.index.Tensor:   # a gather with one integer index, else data-dependent
+        return OpClass.GATHER if _one_integer_index(node) else OpClass.OTHER
     for ops, cls in ((GEMM_OPS, OpClass.GEMM), (CONV_OPS, OpClass.CONV),
                      (ATTENTION_OPS, OpClass.ATTENTION), (VIEW_OPS, OpClass.VIEW),
                      (NORM_OPS, OpClass.NORM), (REDUCTION_OPS, OpClass.REDUCTION),
@@ -146,6 +149,17 @@ def classify(node: torch.fx.Node) -> OpClass:
     if torch.Tag.pointwise in tags and not _mutates(target):
         return OpClass.POINTWISE
     return OpClass.OTHER
+
+
+def _one_integer_index(node: torch.fx.Node) -> bool:
+    """Whether ``aten.index.Tensor`` ``node`` indexes with one integer tensor (the rest
+    None): a gather of static shape (boolean masks give data-dependent shapes)."""
+    indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices") or ()
+    given = [i for i in indices if i is not None]
+    if len(given) != 1 or not isinstance(given[0], torch.fx.Node):
+        return False
+    val = given[0].meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dtype in (torch.int64, torch.int32)
 
 
 def pool_unsupported(node: torch.fx.Node) -> str | None:

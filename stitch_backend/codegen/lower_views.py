@@ -290,6 +290,28 @@ def _index_select(ctx, node, x, dim, index):
     return LT(_shape(node), x.dtype, fn)
 
 
+@rule(aten.index.Tensor)
+def _index(ctx, node, x, indices):
+    """``x[..., idx, ...]`` with one integer index tensor (``opclass`` leaves every other
+    form to ATen): its dims replace the indexed dim; negative indices count from the
+    end, as in Python."""
+    where = [k for k, i in enumerate(indices) if i is not None]
+    if len(where) != 1:
+        raise Unsupported("indexing with more than one index tensor")
+    k, idx = where[0], indices[where[0]]
+    size = x.shape[k]
+    if not sympy.sympify(size).is_Integer:
+        raise Unsupported("indexing along a symbolic size")
+
+    def fn(o):
+        v = cast(idx.at(o[k:k + idx.ndim]), torch.int64)
+        wrapped = _op("where", torch.int64, _op("lt", torch.bool, v, Const(torch.int64, 0)),
+                      _op("add", torch.int64, v, Const(torch.int64, int(size))), v)
+        g = ctx.data_index(wrapped, size)
+        return x.at(o[:k] + (g,) + o[k + idx.ndim:])
+    return LT(_shape(node), x.dtype, fn)
+
+
 @rule(aten.embedding.default)
 def _embedding(ctx, node, weight, indices, *rest):
     def fn(o):

@@ -18,9 +18,10 @@ aten = torch.ops.aten
 NOT_FUSED = {aten.contiguous.default, aten.fill.Scalar, aten.new_full.default,
              aten.new_zeros.default, aten.new_ones.default, aten.empty_permuted.default,
              aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
-             aten.view_copy.default, aten.expand_copy.default, aten.gather.default,
-             aten.index_select.default, aten.embedding.default}
-FUSED = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY, OpClass.VIEW}
+             aten.view_copy.default, aten.expand_copy.default,
+             aten.index.Tensor}   # fused with one integer index tensor: its own test
+FUSED = {OpClass.POINTWISE, OpClass.REDUCTION, OpClass.NORM, OpClass.FACTORY, OpClass.VIEW,
+         OpClass.GATHER}
 
 
 def _node(target, *args, x=None) -> torch.fx.Node:
@@ -76,3 +77,26 @@ def test_a_pooling_the_generated_kernel_cannot_run_stays_alone_on_aten():
     node = _node(aten.max_pool2d_with_indices.default, [2, 2], x=x)
     assert classify(node) is OpClass.OTHER
     assert "symbolic" in fallback_reason(node, OpClass.OTHER)
+
+
+def test_indexing_with_one_integer_tensor_is_a_gather_and_masks_stay_on_aten():
+    """``x[idx]`` (a relative position bias table's lookup) is a gather of static shape;
+    a boolean mask's result has a data-dependent shape, and two index tensors are left
+    to ATen too."""
+    from stitch_backend.opclass import fallback_reason
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(6, 4)
+    idx = graph.placeholder("i")
+    idx.meta["val"] = torch.empty(5, dtype=torch.int64)
+    mask = graph.placeholder("m")
+    mask.meta["val"] = torch.empty(6, dtype=torch.bool)
+    one = graph.call_function(aten.index.Tensor, (x, [None, idx]))
+    masked = graph.call_function(aten.index.Tensor, (x, [mask]))
+    two = graph.call_function(aten.index.Tensor, (x, [idx, idx]))
+    graph.output((one, masked, two))
+    assert classify(one) is OpClass.GATHER
+    assert classify(masked) is OpClass.OTHER
+    assert "data-dependent output shape" in fallback_reason(masked, OpClass.OTHER)
+    assert classify(two) is OpClass.OTHER

@@ -238,6 +238,11 @@ REDUCTIONS = [
     _c("pad_constant", lambda a: F.pad(a, (1, 2, 3, 0), value=-1.5) + 1, T((2, 3, 5, 6))),
     _c("pad_crop", lambda a: F.pad(a, (-1, 2, 0, -2)).tanh(), T((2, 3, 5, 6))),
     _c("pad_then_sum", lambda a: F.pad(a, (0, 3)).sum(-1), T((4, 7))),
+    # x[idx] with one integer index tensor (a relative position bias table's lookup),
+    # negative indices counting from the end
+    _c("gather_index_tensor", lambda a, i: a[i.view(-1) - 5].view(3, 4, 40) * 2,
+       X, T((3, 4), i64, "int:0:6")),
+    _c("gather_index_tensor_middle", lambda a, i: a[:, i].sum(-1), X, T((2, 5), i64, "int:0:40")),
     # ceil mode (SqueezeNet's and GoogLeNet's max pools): last windows past the input
     _c("pool_max2d_ceil", lambda a: F.max_pool2d(a, 3, 2, ceil_mode=True), T((2, 3, 14, 13))),
     _c("pool_max2d_ceil_pad", lambda a: F.max_pool2d(a, 3, 2, 1, ceil_mode=True), T((2, 3, 10, 9))),
