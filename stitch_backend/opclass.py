@@ -101,14 +101,14 @@ POOL_OPS = MAX_POOL_OPS | _ops(aten.avg_pool2d.default, aten.avg_pool3d.default)
 # (which write an argument) stay out.
 POINTWISE_EXTRA = _ops(aten.clone, aten._to_copy, aten.where, aten.copy,
                        torch.ops.prims.convert_element_type, aten.cat.default,
-                       aten.constant_pad_nd.default) | frozenset(
+                       aten.constant_pad_nd.default, aten.flip.default) | frozenset(
     op for op in _ops(aten.leaky_relu, aten.hardswish, aten.rsub, aten.fmod, aten.remainder,
                       aten.floor_divide, aten.copysign, aten.fix) if not _mutates(op))
 
 
 # Copies whose element positions depend on the layout's dim order (a concatenation's or
 # a pad's dims): pointwise for the Planner, but never moved to another layout's form.
-SHAPED_COPY_OPS = _ops(aten.cat.default, aten.constant_pad_nd.default)
+SHAPED_COPY_OPS = _ops(aten.cat.default, aten.constant_pad_nd.default, aten.flip.default)
 # Reads at data-dependent indices (cross entropy's gather of the target's log
 # probability, embeddings): fused into regions (codegen.lower_views, every index checked
 # against its extent in the kernel, as ATen's checks it), never into a gemm/conv

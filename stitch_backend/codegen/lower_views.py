@@ -4,7 +4,8 @@ reshape/view split and merge dims (one linearise/delinearise per group of dims w
 sizes match), permute/transpose reorder, expand/unsqueeze/squeeze insert or drop
 constant-0 indices, slice/select/narrow/split offset them, unfold (sliding windows, a
 ViT's patches) reads window position times step plus offset; cat picks the input its
-index falls in, constant_pad_nd reads its input inside and the value outside;
+index falls in, constant_pad_nd reads its input inside and the value outside, flip
+reads from the other end;
 gather/index_select/embedding index with a loaded value (a data-dependent index symbol).
 """
 
@@ -193,6 +194,16 @@ def _unfold(ctx, node, x, dim, size, step):
     def fn(o):
         at = o[dim] * step + o[-1] if x.ndim else o[-1]
         return x.at(o[:dim] + (at,) + o[dim + 1:-1])
+    return LT(_shape(node), x.dtype, fn)
+
+
+@rule(aten.flip.default)
+def _flip(ctx, node, x, dims):
+    """Reversed along ``dims``: element ``i`` of a flipped dim reads ``size - 1 - i``."""
+    flipped = {_norm_dim(d, x.ndim) for d in dims}
+
+    def fn(o):
+        return x.at(tuple(x.shape[j] - 1 - i if j in flipped else i for j, i in enumerate(o)))
     return LT(_shape(node), x.dtype, fn)
 
 

@@ -238,6 +238,7 @@ REDUCTIONS = [
     _c("pad_constant", lambda a: F.pad(a, (1, 2, 3, 0), value=-1.5) + 1, T((2, 3, 5, 6))),
     _c("pad_crop", lambda a: F.pad(a, (-1, 2, 0, -2)).tanh(), T((2, 3, 5, 6))),
     _c("pad_then_sum", lambda a: F.pad(a, (0, 3)).sum(-1), T((4, 7))),
+    _c("flip_two_dims", lambda a: a.flip(0, -1) * 3, X4),
     # x[idx] with one integer index tensor (a relative position bias table's lookup),
     # negative indices counting from the end
     _c("gather_index_tensor", lambda a, i: a[i.view(-1) - 5].view(3, 4, 40) * 2,
