@@ -110,8 +110,9 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
         # Free nodes this node consumes travel with it (a strided load, or a view that
         # feeds the library call).
         for dep in _pending_deps(node):
-            pending_free.remove(dep)
-            add(dep, region)
+            if dep in pending_free:   # not already taken by an earlier dep's own deps
+                pending_free.remove(dep)
+                add(dep, region)
         region.nodes.append(node)
         region_of[node] = regions.index(region)
 

@@ -167,3 +167,20 @@ def test_regions_that_read_only_inputs_and_only_the_graph_returns_merge():
     assert sorted(str(nodes[n].meta["val"].dtype) for n in merged[0].nodes) == [
         "torch.float32"] + ["torch.int64"] * 3
     assert not any("aten.exp.default" in r.ops for r in merged)
+
+
+def test_a_node_reading_a_view_and_a_view_of_it_is_planned():
+    """``v.unsqueeze(0) * v`` with ``v`` a view of an input: both views wait for their
+    consumer, and the first one it takes brings the other along; taking that one again
+    raised ValueError (list.remove), and KernelBench L3 46/47 NetVlad's backward graphs
+    ran as traced."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(x):
+        v = x.t()
+        return v.unsqueeze(0) * v
+
+    gm = make_fx(fn)(torch.randn(3, 4))
+    plan = partition(gm, graph_name="g")
+    check_plan(gm, plan)
+    assert [r.kind for r in plan.regions] == [RegionKind.FUSED]
