@@ -189,11 +189,12 @@ def _split(ctx, node, x, arg=None, dim=0):
 def _unfold(ctx, node, x, dim, size, step):
     """Windows of ``size`` every ``step`` along ``dim``, as a last dim: window ``w``'s
     element ``k`` is ``x[..., w * step + k, ...]``."""
+    if x.ndim == 0:
+        raise Unsupported("unfold of a 0-dim tensor")
     dim = _norm_dim(dim, x.ndim)
 
     def fn(o):
-        at = o[dim] * step + o[-1] if x.ndim else o[-1]
-        return x.at(o[:dim] + (at,) + o[dim + 1:-1])
+        return x.at(o[:dim] + (o[dim] * step + o[-1],) + o[dim + 1:-1])
     return LT(_shape(node), x.dtype, fn)
 
 
