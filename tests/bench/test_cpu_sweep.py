@@ -76,6 +76,27 @@ def test_a_sweep_runs_training_steps_and_says_what_broke(tmp_path, capsys):
     assert "level2/2_Broken: ERROR ValueError: no" in out and "0 of 1 ok" in out
 
 
+def test_a_graph_the_backend_could_not_compile_is_not_called_ok(tmp_path, capsys, monkeypatch):
+    """Right results through a graph that ran as traced after the backend failed on it
+    are UNCOMPILED, and the sweep exits 1 (L3 46/47's backward graphs read "ok")."""
+    from stitch_backend.backend import StitchBackend
+
+    def broken(self, stage, *args, **kwargs):
+        if stage == "backward":
+            raise ValueError("planner bug")
+        return real(self, stage, *args, **kwargs)
+
+    real = StitchBackend._compile_graph
+    monkeypatch.setattr(StitchBackend, "_compile_graph", broken)
+    level = tmp_path / "level2"
+    level.mkdir()
+    (level / "1_Toy.py").write_text(TOY)
+    assert main([str(tmp_path), "2"]) == 1
+    out = capsys.readouterr().out
+    assert "level2/1_Toy: UNCOMPILED (" in out and "planner bug" in out
+    assert "0 of 1 ok, 1 with a graph the backend could not compile" in out
+
+
 LAMBDA = TOY.replace(
     "        self.norm = nn.GroupNorm(groups, features)",
     "        self.norm = nn.GroupNorm(groups, features)\n"
