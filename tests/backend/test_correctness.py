@@ -92,6 +92,21 @@ def test_tuple_outputs_judged_per_output():
     assert not c.ok_design and "outputs" in c.reason
 
 
+def test_the_reason_names_the_outputs_failing_the_design_rule_first():
+    """Many outputs beyond 1e-4 of eager but as close to fp64 as eager (TF32-like), one
+    failing the rule at the end: the reason starts with that one (a sweep's line showed
+    only the three first, which passed the rule, and "... 37 more")."""
+    ref64 = _ref()
+    noise = _ref(seed=1)
+    eager = (ref64 + 1e-3 * noise).float()
+    near = (ref64 - 1e-3 * noise.flip(0)).float()
+    worse = (ref64 + 5e-3 * noise.flip(0)).float()
+    c = compare([near] * 5 + [worse], [eager] * 6, [ref64] * 6)
+    assert not c.ok_design
+    assert c.reason.startswith("output 5: ") and "> 2 x eager" in c.reason
+    assert c.reason.endswith("... 3 more")
+
+
 def test_strides_must_match_for_design_rule():
     eager = _ref().float()
     out = eager.t().contiguous().t()                     # same values, column-major
