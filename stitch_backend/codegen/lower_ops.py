@@ -95,6 +95,19 @@ def _op(name, dtype, *args, params=()) -> Expr:
     return Op(dtype, name, tuple(args), tuple(params))
 
 
+def _inside(bounds, index_type: torch.dtype) -> Expr | None:
+    """Whether every position lies in its dim: ``bounds`` is (position, size) pairs; the
+    bool expression ``0 <= position < size`` for all (None for no pairs). A pooling's
+    windows and a pad read a clamped position and keep the value only where this holds."""
+    inside = None
+    for pos, size in bounds:
+        p = IndexVal(index_type, pos)
+        ok = _op("logical_and", torch.bool, _op("ge", torch.bool, p, Const(index_type, 0)),
+                 _op("lt", torch.bool, p, Const(index_type, size)))
+        inside = ok if inside is None else _op("logical_and", torch.bool, inside, ok)
+    return inside
+
+
 # ----------------------------------------------------------------------------- pointwise
 
 _UNARY_FLOAT = {

@@ -23,7 +23,7 @@ import torch
 
 from .kernel_ir import Const, IndexVal, Unsupported, opmath
 from .lower import LT, cast, pointwise
-from .lower_ops import _dt, _op, rule
+from .lower_ops import _dt, _inside, _op, rule
 from ..opclass import pool_unsupported
 
 aten = torch.ops.aten
@@ -92,14 +92,8 @@ class _Window:
             value = x.at(tuple(head) + tuple(at))
             if not padded:
                 return value
-            inside = None
-            for i in padded:
-                # a position within a dim's size, padding either side: 32 bits
-                p = IndexVal(torch.int32, pos[i])
-                ok = _op("logical_and", torch.bool,
-                         _op("ge", torch.bool, p, Const(torch.int32, 0)),
-                         _op("lt", torch.bool, p, Const(torch.int32, self.sizes[i])))
-                inside = ok if inside is None else _op("logical_and", torch.bool, inside, ok)
+            # a position within a dim's size, padding either side: 32 bits
+            inside = _inside([(pos[i], self.sizes[i]) for i in padded], torch.int32)
             return _op("where", c, inside, value, Const(c, fill))
 
         return LT(tuple(lead) + tuple(self.out) + tuple(self.kernel), c, fn)

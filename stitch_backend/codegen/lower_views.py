@@ -17,7 +17,7 @@ import torch
 from . import indexing as ix
 from .kernel_ir import Const, IndexVal, Unsupported
 from .lower import LT, bcast_index, cast
-from .lower_ops import _dt, _maybe, _op, _shape, _val, rule
+from .lower_ops import _dt, _inside, _maybe, _op, _shape, _val, rule
 
 aten = torch.ops.aten
 
@@ -263,17 +263,14 @@ def _constant_pad(ctx, node, x, pad, value=0):
     nd = len(sizes)
 
     def fn(o):
-        at, inside = list(o), None
+        at, bounds = list(o), []
         for i, (before, _) in enumerate(pairs):
             d = nd - 1 - i
             pos = o[d] - before
             at[d] = sympy.Max(0, sympy.Min(pos, sizes[d] - 1))
             if before > 0 or int(shape[d]) - before > sizes[d]:
-                p = IndexVal(index_type, pos)
-                ok = _op("logical_and", torch.bool,
-                         _op("ge", torch.bool, p, Const(index_type, 0)),
-                         _op("lt", torch.bool, p, Const(index_type, sizes[d])))
-                inside = ok if inside is None else _op("logical_and", torch.bool, inside, ok)
+                bounds.append((pos, sizes[d]))
+        inside = _inside(bounds, index_type)
         read = cast(x.at(tuple(at)), out)
         return read if inside is None else _op("where", out, inside, read, Const(out, value))
     return LT(shape, out, fn)

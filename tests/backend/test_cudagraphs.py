@@ -242,7 +242,7 @@ def test_outputs_handed_over_keep_eagers_strides():
     """A replay's outputs are copies; a view with gaps keeps its strides (a contiguous
     copy failed the stride check on KernelBench L3 Mamba2ReturnFinalState), an expanded
     output (overlapping elements) is copied densely, containers keep their type."""
-    from stitch_backend.cudagraphs import _clone
+    from stitch_backend.replay_outputs import _clone
 
     wide = torch.randn(2, 8, 64, 48)
     gappy = wide[..., 16:32]                       # strides (24576, 3072, 48, 1)
@@ -255,7 +255,7 @@ def test_outputs_handed_over_keep_eagers_strides():
 
 
 def test_overlap_detection():
-    from stitch_backend.cudagraphs import _overlapping
+    from stitch_backend.replay_outputs import _overlapping
 
     assert not _overlapping(torch.randn(3, 4)[:, 1:3])
     assert not _overlapping(torch.randn(3, 4).t())
