@@ -128,7 +128,39 @@ def test_a_graph_too_large_for_free_memory_is_not_judged(monkeypatch):
     x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
     traced = _traced(_pooled, x, w)
     monkeypatch.setattr(graph_precision, "_free_bytes", lambda metas: 1024)
-    monkeypatch.setattr(graph_precision, "_draw", lambda metas: pytest.fail("it ran"))
+    monkeypatch.setattr(graph_precision, "_draw", lambda *a: pytest.fail("it ran"))
     verdict = graph_precision.outputs_hold(traced, traced)
     assert not verdict.ok and not verdict.final
     assert "GiB free" in verdict.why and "not judged" in verdict.why
+
+
+def _conv_bn_eval(x, w, mean, var):
+    return F.batch_norm(F.conv2d(x, w, padding=1), mean, var, training=False)
+
+
+def test_a_running_variance_is_drawn_positive_so_the_outputs_are_judged():
+    """An eval-mode BatchNorm's running variance drawn standard normal gives NaN in every
+    run (and NaN matches itself): its placeholder is drawn in [0.5, 1.5) instead, and a
+    rewrite that drifts is then caught. Found on an H100: the zoo's residual blocks held
+    this way and ran TF32 convolutions 1000x further from fp64 than eager."""
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(8, 3, 3, 3)
+    mean, var = torch.randn(8), torch.rand(8) + 0.5
+    traced = _traced(_conv_bn_eval, x, w, mean, var)
+    assert graph_precision._variances(traced) == {3}
+    metas = [n.meta["val"] for n in traced.graph.find_nodes(op="placeholder")]
+    drawn = graph_precision._draw(metas, {3})
+    assert bool((drawn[3] >= 0.5).all()) and bool((drawn[3] < 1.5).all())
+    assert bool((drawn[2] < 0).any())           # the running mean: standard normal
+    drifted = _traced(lambda *a: _conv_bn_eval(*a) * (1 + 1e-3), x, w, mean, var)
+    verdict = graph_precision.outputs_hold(traced, drifted)
+    assert not verdict.ok and "beyond 0.0001 of eager" in verdict.why, verdict.why
+    assert graph_precision.outputs_hold(traced, traced).ok
+
+
+def test_a_graph_whose_fp64_run_is_not_finite_on_random_inputs_is_not_held():
+    """Where random inputs give NaN (a log of standard normal values), the runs agree on
+    nothing that can be judged: the graph is not held, with the reason."""
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
+    traced = _traced(lambda a, b: torch.log(F.conv2d(a, b)), x, w)
+    verdict = graph_precision.outputs_hold(traced, traced)
+    assert not verdict.ok and "not finite" in verdict.why, verdict.why

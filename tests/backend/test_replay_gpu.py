@@ -149,7 +149,11 @@ def test_a_training_step_is_replayed_though_cudnn_adds_in_varying_order():
         assert cmp.ok_design, f"step {step}: {cmp.reason}"
     backward = next(r for r in backend.records if r.stage == "backward")
     replay = backward.program.replay
-    assert replay is not None and replay.disabled is None, backward.notes
+    # captured and its first replay judged correct; it may then lose on time alone (an
+    # H100 under 8 test processes timed 0.630 ms replayed against 0.571 ms uncaptured)
+    assert replay is not None and replay.captures >= 1, backward.notes
+    assert replay.disabled is None or replay.disabled.startswith(
+        "slower than running uncaptured"), backward.notes
     # the forward returns its input and weights for the backward: captured all the same
     forward = next(r for r in backend.records if r.stage == "forward")
     assert forward.program.replay is not None, forward.notes
