@@ -191,3 +191,49 @@ def test_an_overlapping_pooling_joins_the_convolution_region_and_the_result_is_e
         got = runner_for(alt, base=InterpretedRunner)(*inputs)
         for g, w in zip(got, region_out):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+class ConvGlobalPool(nn.Module):
+    """KernelBench L2 67's shape: conv, GELU, a global pooling (``adaptive_avg_pool2d(x,
+    1)``, ``x.mean((2, 3))``, ``amax`` over the spatial dims); ``x.sum((1, 2, 3))`` also
+    reduces the channels, not a pooling."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.how = how
+
+    def forward(self, x):
+        y = nn.functional.gelu(self.conv(x))
+        if self.how == "adaptive":
+            return nn.functional.adaptive_avg_pool2d(y, 1).flatten(1) * 2
+        if self.how == "mean":
+            return y.mean((-1, -2))
+        if self.how == "amax":
+            return y.amax((2, 3), keepdim=True)
+        return y.sum((1, 2, 3))
+
+
+@pytest.mark.parametrize("layout", [None, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("how", ["adaptive", "mean", "amax", "channels_too"])
+def test_a_global_pooling_joins_the_convolution_region_and_the_result_is_eager(layout, how):
+    torch.manual_seed(0)
+    model = ConvGlobalPool(how)
+    x = torch.randn(4, 3, 18, 18)
+    rec, _ = _eager_then_compiled(model, model, x if layout is None else
+                                  x.contiguous(memory_format=layout))
+    (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    ops = _node_ops(rec, conv)
+    reduce = {"adaptive": "aten.mean.dim", "mean": "aten.mean.dim", "amax": "aten.amax.default",
+              "channels_too": "aten.sum.dim_IntList"}[how]
+    if how == "channels_too":
+        assert reduce not in ops, ops
+        return
+    assert reduce in ops and "aten.gelu.default" in ops, ops
+    if how == "adaptive":     # a pointwise op of the pooled size follows it in
+        assert "aten.mul.Tensor" in ops, ops
+    assert conv.backend == "kernel", conv.reason
+    cand = TemplateCoder().propose(subtask_for(rec.gm, conv, "k"))
+    # the epilogue and the pooling in one kernel: the epilogue's values are never written
+    kernels = [s.kernel for s in cand.stages if s.kernel is not None]
+    assert {reduce, "aten.gelu.default"} <= set(kernels[0].ops), kernels[0].ops
