@@ -341,25 +341,37 @@ class TemplateCoder:
     def _column_layouts(self, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
         """The candidate again with each of its reduction kernels that reads rows
         contiguously but writes along the rows (``emit_reduction.stores_across_rows``)
-        in the ``column`` layout instead; none where no kernel is such."""
+        in the ``column`` layout instead, and again in the ``staged`` layout
+        (``emit_staged``, where its rows fit in shared memory); none where no kernel is
+        such."""
         from stitch_backend.codegen.emit_reduction import stores_across_rows
+        from stitch_backend.codegen.emit_staged import why_not_staged
 
         if not any(s.kernel is not None and stores_across_rows(s.kernel.ir) for s in stages):
             return []
-        swapped = []
-        for stage in stages:
-            kernel = stage.kernel
-            if kernel is not None and stores_across_rows(kernel.ir):
-                module = region_module(subtask.graph, stage.region)
-                try:
-                    kernel = generate(module, f"{kernel.name}_col", sm_count=self.sm_count,
-                                      layout="column")
-                except Unsupported as err:
-                    log.debug("no column-layout candidate for %s: %s", subtask.region_name, err)
-                    return []
-            swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
-        return [self._candidate(subtask, f"{subtask.region_name}_col", swapped,
-                                list(subtask.region.outputs))]
+        found = []
+        for layout, suffix, applies in (
+                ("column", "col", stores_across_rows),
+                ("staged", "stg", lambda ir: why_not_staged(ir) is None)):
+            swapped, changed = [], False
+            for stage in stages:
+                kernel = stage.kernel
+                if kernel is not None and applies(kernel.ir):
+                    module = region_module(subtask.graph, stage.region)
+                    try:
+                        kernel = generate(module, f"{kernel.name}_{suffix}",
+                                          sm_count=self.sm_count, layout=layout)
+                    except Unsupported as err:
+                        log.debug("no %s-layout candidate for %s: %s", layout,
+                                  subtask.region_name, err)
+                        swapped = []
+                        break
+                    changed = True
+                swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
+            if swapped and changed:
+                found.append(self._candidate(subtask, f"{subtask.region_name}_{suffix}",
+                                             swapped, list(subtask.region.outputs)))
+        return found
 
     def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
                       tag: str = "") -> list[Candidate]:

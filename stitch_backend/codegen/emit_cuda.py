@@ -34,7 +34,7 @@ class Emitted:
     entry: str
     signature: str
     kind: str  # "pointwise" or "reduction"
-    layout: str  # "inner", "column" or "" (pointwise)
+    layout: str  # "inner", "column", "staged", "tiled" or "" (pointwise)
     vec: int
     idx64: bool
     workspaces: tuple[tuple[str, torch.dtype], ...]  # (name, dtype) of per-row outer buffers
@@ -374,7 +374,7 @@ def _emit_store(k, em, scope, st: Store, cond: str = "") -> None:
 
 def emit(ir: KernelIR, layout: str | None = None) -> Emitted:
     """CUDA source for ``ir``; raises ``Unsupported`` for what the templates lack.
-    ``layout`` forces a reduction's thread layout ("inner" or "column")."""
+    ``layout`` forces a reduction's thread layout ("inner", "column" or "staged")."""
     if ir.is_reduction:
         from .emit_reduction import emit_reduction   # it builds on this module's _Kernel
 

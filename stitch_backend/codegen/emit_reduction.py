@@ -62,6 +62,25 @@ def _acc_ctype(r: Reduction) -> str:
     return f"sfk_argpair<{ct}>" if r.kind in ("argmax", "argmin") else ct
 
 
+def accumulate(em: ExprEmitter, r: Reduction, scope: Scope) -> None:
+    """The line adding one element's value to reduction ``r``'s accumulator ``acc{rid}``."""
+    ct = compute_ctype(r.dtype)
+    val = em.value(r.body, scope)
+    if r.kind in ("argmax", "argmin"):
+        val = f"sfk_argpair<{ct}>{{{val}, (long long)({em.index(r.index, scope)})}}"
+    elif r.kind == "softmax":
+        scope.lines.append(f"{scope.ind}acc{r.rid} = sfk_online_add(acc{r.rid}, {val});")
+        return
+    scope.lines.append(f"{scope.ind}acc{r.rid} = {_op_functor(r, ct)}(acc{r.rid}, {val});")
+
+
+def row_stores(k: _Kernel, em: ExprEmitter, row: Scope, ir: KernelIR, cond: str) -> None:
+    """``ir``'s stores of one value a row, by the thread ``cond`` names."""
+    for st in ir.stores:
+        if st.level == "row":
+            _emit_store(k, em, row, st, cond)
+
+
 def _smem_width(ir: KernelIR) -> int:
     """Bytes of the widest accumulator of ``ir``'s reductions (argmax pairs: 16)."""
     width = 4
@@ -188,10 +207,14 @@ def _persistent_passes(k: _Kernel, ir: KernelIR, vec: int, vloads: dict,
 
 
 def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
-    """The reduction kernel of ``ir``, in ``layout`` ("inner" or "column"; by default
-    the one its loads favour)."""
-    if layout not in (None, "inner", "column"):
+    """The reduction kernel of ``ir``, in ``layout`` ("inner", "column" or "staged"
+    (``emit_staged``); by default the one its loads favour)."""
+    if layout not in (None, "inner", "column", "staged"):
         raise ValueError(f"unknown reduction layout {layout!r}")
+    if layout == "staged":
+        from .emit_staged import emit_staged   # it builds on this module's helpers
+
+        return emit_staged(ir)
     k = _Kernel(ir)
     d = ir.domain
     layout = layout or _layout(ir)
@@ -278,15 +301,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
 
         def body(scope, reds=reds):
             for r in reds:
-                ct = compute_ctype(r.dtype)
-                val = em.value(r.body, scope)
-                if r.kind in ("argmax", "argmin"):
-                    idx = em.index(r.index, scope)
-                    val = f"sfk_argpair<{ct}>{{{val}, (long long)({idx})}}"
-                elif r.kind == "softmax":
-                    scope.lines.append(f"{scope.ind}acc{r.rid} = sfk_online_add(acc{r.rid}, {val});")
-                    continue
-                scope.lines.append(f"{scope.ind}acc{r.rid} = {_op_functor(r, ct)}(acc{r.rid}, {val});")
+                accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial)
         for r in reds:
@@ -296,9 +311,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
                     f"{_op_functor(r, compute_ctype(r.dtype))}, log2_tk, {inner_flag}, "
                     f"reinterpret_cast<{_acc_ctype(r)}*>(sfk_smem));")
             em.reduced(r, row, f"acc{r.rid}")
-    for st in ir.stores:
-        if st.level == "row":
-            _emit_store(k, em, row, st, "row_ok && tk == 0")
+    row_stores(k, em, row, ir, "row_ok && tk == 0")
     if elem_stores:
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, vstores if has_vec else {}, conds,
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in

@@ -20,6 +20,7 @@ import torch.fx
 
 from .binding import bind, extents, output_layout
 from .emit_cuda import TILE, TILE_ROWS, Emitted, emit
+from .emit_staged import STAGE_ROWS, STAGE_THREADS
 from .interp import interpret as _interpret
 from .kernel_ir import KernelIR, Unsupported
 from .lower import lower
@@ -185,6 +186,9 @@ class FusedKernel:
             threads = TILE * TILE_ROWS
             blocks = min(_cdiv(max(rows, 1), TILE * TILE), MAX_GRID_X)
             return max(blocks, 1), threads, 0
+        if em.layout == "staged":   # STAGE_ROWS rows a block (its loop steps by the grid)
+            blocks = min(_cdiv(max(rows, 1), STAGE_ROWS), MAX_ROW_BLOCKS)
+            return max(blocks, 1), STAGE_THREADS, 0
         if em.kind == "pointwise":
             # One vector a thread, not a grid-stride grid of resident threads: on the H200
             # (kb/tune/stream.py, ReLU over 4096x196608 fp32) 1.494 ms so against 1.634

@@ -1,7 +1,8 @@
-"""The column-layout alternative of a reduction that reads its rows contiguously but
-writes along the rows (a softmax over the channels of a channels-last value whose result
-goes back to NCHW): where it applies, that it is proposed beside the template's kernel,
-computes the region's outputs (kernel IR interpreter on CPU) and compiles with nvcc."""
+"""The column- and staged-layout alternatives of a reduction that reads its rows
+contiguously but writes along the rows (a softmax over the channels of a channels-last
+value whose result goes back to NCHW): where they apply, that they are proposed beside
+the template's kernel, compute the region's outputs (kernel IR interpreter on CPU) and
+compile with nvcc."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from stitch_backend.agents.coder import TemplateCoder
 from stitch_backend.agents.state import subtask_for
 from stitch_backend.backend import StitchBackend
 from stitch_backend.codegen.emit_reduction import emit_reduction, stores_across_rows
+from stitch_backend.codegen.kernel_ir import Unsupported
 from stitch_backend.kernels import InterpretedRunner, runner_for
 from stitch_backend.regions import region_module
 
@@ -61,10 +63,13 @@ def test_channels_last_softmax_written_nchw_gets_a_column_alternative():
     (col,) = [a for a in cand.alternatives if a.name.endswith("_col")]
     assert col.kernel.emitted.layout == "column"
     assert "column layout" in col.source and "column layout" not in cand.source
+    (stg,) = [a for a in cand.alternatives if a.name.endswith("_stg")]
+    assert stg.kernel.emitted.layout == "staged" and "staged layout" in stg.source
+    assert "__shared__" in stg.source and "sfk_st0[" in stg.source
     inputs = _inputs(gm, region)
     want = region_module(gm, region)(*inputs)
     want = list(want) if isinstance(want, (list, tuple)) else [want]
-    for c in (cand, col):
+    for c in (cand, col, stg):
         got = runner_for(c, base=InterpretedRunner)(*inputs)
         for g, w in zip(got, want):
             assert g.stride() == w.stride()
@@ -75,7 +80,7 @@ def test_rows_written_as_read_get_no_column_alternative():
     gm, region = _softmax_region(channels_last=False)
     cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
     assert not stores_across_rows(cand.kernel.ir)
-    assert not [a for a in cand.alternatives if a.name.endswith("_col")]
+    assert not [a for a in cand.alternatives if a.name.endswith(("_col", "_stg"))]
 
 
 def test_an_unknown_layout_is_refused():
@@ -85,13 +90,35 @@ def test_an_unknown_layout_is_refused():
         emit_reduction(cand.kernel.ir, "diagonal")
 
 
+def test_the_staged_layout_says_why_it_does_not_apply():
+    """Rows written as read (NCHW in and out) are no case for it, and channels too many
+    for a block's shared memory are refused with the reason."""
+    from stitch_backend.codegen.emit_staged import STAGE_MAX_K, why_not_staged
+    from stitch_backend.codegen.fused import generate
+    from torch._decomp import core_aten_decompositions
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm, region = _softmax_region(channels_last=False)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+    assert "not contiguous along the rows" in why_not_staged(cand.kernel.ir)
+    wide = torch.randn(2, 3, 3, 2 * STAGE_MAX_K).permute(0, 3, 1, 2)   # NHWC, C > max
+    traced = make_fx(lambda a: torch.softmax(a, 1).contiguous(),
+                     decomposition_table=core_aten_decompositions(), tracing_mode="fake")(wide)
+    kernel = generate(traced, "wide")
+    assert stores_across_rows(kernel.ir)
+    assert f"at most {STAGE_MAX_K}" in why_not_staged(kernel.ir)
+    with pytest.raises(Unsupported, match="no staged layout"):
+        generate(traced, "wide_stg", layout="staged")
+
+
 @pytest.mark.nvcc
-def test_both_layouts_compile_for_sm90a():
+def test_every_layout_compiles_for_sm90a():
     from stitch_backend.toolchain import CompileError, CompileJob, compile_many
 
     gm, region = _softmax_region(channels_last=True)
     cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
-    (col,) = [a for a in cand.alternatives if a.name.endswith("_col")]
-    results = compile_many([CompileJob(c.source, c.name, "sm_90a") for c in (cand, col)])
+    alts = [a for a in cand.alternatives if a.name.endswith(("_col", "_stg"))]
+    assert len(alts) == 2
+    results = compile_many([CompileJob(c.source, c.name, "sm_90a") for c in (cand, *alts)])
     assert not [r for r in results if isinstance(r, CompileError)], results
     assert all(r.cubin[:4] == b"\x7fELF" for r in results)

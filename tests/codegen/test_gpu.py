@@ -131,28 +131,30 @@ def test_one_pass_softmax_statistics_keep_eagers_special_values(log):
     torch.testing.assert_close(got, fn(x), atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("what", ["softmax", "log_softmax_f16", "norm"])
+@pytest.mark.parametrize("what", ["softmax", "softmax_odd", "log_softmax_f16", "norm"])
 def test_column_layout_matches_the_inner_layout_and_eager(what):
     """A reduction over the channels of a channels-last input written back NCHW (rows
-    not a multiple of 32, channels not a power of two): the column layout the Coder
-    proposes beside the inner one gives eager's values and strides, bit for bit on a
-    second launch."""
+    not a multiple of 32, channels not a power of two, or odd): the column and staged
+    layouts the Coder proposes beside the inner one give eager's values and strides, bit
+    for bit on a second launch."""
     from stitch_backend.codegen.emit_reduction import stores_across_rows
     from stitch_backend.cuda_driver import CudaModule
 
     fns = {
         "softmax": lambda a: torch.sigmoid(torch.softmax(a, 1) * 2.0).contiguous(),
+        "softmax_odd": lambda a: torch.softmax(a, 1).contiguous(),
         "log_softmax_f16": lambda a: torch.log_softmax(a, 1).contiguous(),
         "norm": lambda a: ((a - a.mean(1, keepdim=True))
                            * torch.rsqrt(a.var(1, keepdim=True) + 1e-5)).contiguous(),
     }
     dtype = torch.float16 if what.endswith("f16") else torch.float32
-    x = torch.randn(3, 7, 9, 40, device="cuda").to(dtype).permute(0, 3, 1, 2)
+    channels = 37 if what == "softmax_odd" else 40     # odd: the staged tile's pitch
+    x = torch.randn(3, 7, 9, channels, device="cuda").to(dtype).permute(0, 3, 1, 2)
     gm = make_fx(fns[what], decomposition_table=core_aten_decompositions(),
                  tracing_mode="fake")(x)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     want = fns[what](x)
-    for layout in ("inner", "column"):
+    for layout in ("inner", "column", "staged"):
         kernel = generate(gm, f"col_{what}_{layout}", sm_count=sms, layout=layout)
         assert stores_across_rows(kernel.ir) and kernel.emitted.layout == layout
         cubin = toolchain.compile_cubin(kernel.source, kernel.entry, toolchain.device_arch()).cubin
