@@ -169,3 +169,40 @@ def test_values_that_differ_from_eager_widen_the_tie_by_twice_their_difference()
     ours[0, 0, 0, 0] = 4
     got, settled = settle(gm, [x], (ours_y, vals, ours), (y3, vals, idx))
     assert settled == [] and torch.equal(got[2], ours)
+
+
+def _relu_mask_graph(x):
+    """A training forward's ReLU: its output and the mask the backward reads."""
+    def fn(x):
+        y = torch.relu(x * 2.0)
+        return y, aten.le.Scalar(aten.alias.default(y), 0)
+
+    return make_fx(fn)(x), fn
+
+
+def test_a_relu_mask_that_differs_only_at_the_threshold_is_judged_as_eager():
+    """Eager's pre-activation 1e-7 above zero, the Program's at zero: the masks differ
+    there and nowhere else, and the values agree within tolerance: a near tie."""
+    x = torch.randn(4, 8)
+    x[0, 0] = 5e-8
+    gm, fn = _relu_mask_graph(x)
+    y, mask = fn(x)
+    assert not mask[0, 0]
+    ours_y = y.clone()
+    ours_y[0, 0] = 0.0
+    ours_mask = mask.clone()
+    ours_mask[0, 0] = True
+    got, settled = settle(gm, [x], (ours_y, ours_mask), (y, mask))
+    assert torch.equal(got[1], mask)
+    assert [(s.output, s.differing, s.total) for s in settled] == [(1, 1, mask.numel())]
+
+
+def test_a_relu_mask_that_differs_away_from_the_threshold_still_differs():
+    x = torch.randn(4, 8)
+    x[0, 0] = 0.5
+    gm, fn = _relu_mask_graph(x)
+    y, mask = fn(x)
+    ours_mask = mask.clone()
+    ours_mask[0, 0] = True                    # the value is 1.0: no tie
+    got, settled = settle(gm, [x], (y, ours_mask), (y, mask))
+    assert settled == [] and torch.equal(got[1], ours_mask)
