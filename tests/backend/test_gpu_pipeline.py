@@ -242,3 +242,54 @@ def test_a_parameter_given_new_storage_is_read_from_there(monkeypatch):
     assert any(n.startswith("CUDA graph replay on") for n in rec.notes), rec.notes
     assert not any("replay off" in n for n in rec.notes), rec.notes
     assert rec.program.replay.captures == 2
+
+
+class _DeconvSoftmax(torch.nn.Module):
+    """KernelBench L2 91's shape, smaller: a softmax over a transposed convolution's
+    channels, then a pointwise tail (channels-last: the rows are read along C and
+    written NCHW, so the column and staged layouts are raced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.ConvTranspose2d(16, 64, 4, stride=2, padding=1, output_padding=1)
+
+    def forward(self, x):
+        return torch.sigmoid(torch.softmax(self.conv(x), 1) * 2.0)
+
+
+class _ConvGeluPool(torch.nn.Module):
+    """KernelBench L2 67's shape, smaller: a global average pool after conv + GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 32, 3)
+
+    def forward(self, x):
+        return torch.nn.functional.adaptive_avg_pool2d(
+            torch.nn.functional.gelu(self.conv(x)), 1).flatten(1)
+
+
+@pytest.mark.parametrize("name", ["deconv_softmax", "conv_gelu_pool"])
+def test_channel_softmax_and_global_pool_regions_give_eager_results(name):
+    """The staged-layout alternative is compiled beside the inner and column kernels and
+    whichever is kept gives eager's values; a global pool runs in the convolution's
+    epilogue kernel, correct by DESIGN.md's rule against eager and fp64."""
+    from stitch_backend.correctness import compare
+
+    torch.manual_seed(0)
+    model, x = ((_DeconvSoftmax(), torch.randn(8, 16, 24, 24)) if name == "deconv_softmax"
+                else (_ConvGeluPool(), torch.randn(8, 8, 40, 40)))
+    model, x = model.cuda(), x.cuda()
+    backend = StitchBackend(options={"require_speedup": False, "cache": False})
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        compiled(x)
+        got = compiled(x)
+        want = model(x)
+        ref = model.double()(x.double())
+    cmp = compare(got, want, ref)
+    assert cmp.ok_design, cmp.reason
+    (rec,) = backend.records
+    if name == "conv_gelu_pool":
+        (conv,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+        assert "aten.mean.dim" in conv.ops and conv.backend == "kernel", (conv.ops, conv.reason)
