@@ -90,7 +90,7 @@ class TemplateCoder:
         else:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
-        cand.alternatives += self._column_layouts(subtask, stages)
+        cand.alternatives += self._row_write_layouts(subtask, stages)
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)
@@ -338,7 +338,7 @@ class TemplateCoder:
                          signature=kernels[0].signature, stages=stages,
                          region_inputs=list(subtask.region.inputs), region_outputs=outputs)
 
-    def _column_layouts(self, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    def _row_write_layouts(self, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
         """The candidate again with each of its reduction kernels that reads rows
         contiguously but writes along the rows (``emit_reduction.stores_across_rows``)
         in the ``column`` layout instead, and again in the ``staged`` layout

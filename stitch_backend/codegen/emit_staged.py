@@ -32,9 +32,9 @@ import sympy
 
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel
-from .emit_expr import ExprEmitter, Scope, compute_ctype
-from .emit_reduction import (_acc_ctype, _init_value, _op_functor, accumulate, row_stores,
-                             stores_across_rows)
+from .emit_expr import CTYPE, ExprEmitter, Scope, compute_ctype
+from .emit_reduction import (_BYTES, _acc_ctype, _init_value, _op_functor, _smem_width,
+                             accumulate, row_stores, stores_across_rows)
 from .kernel_ir import KernelIR, Load, Unsupported
 
 STAGE_ROWS = 32
@@ -42,7 +42,6 @@ STAGE_THREADS = 256
 STAGE_MAX_K = 1024
 # static shared memory for the tiles and the rows' results (48 KB is the static limit)
 STAGE_SMEM = 44 * 1024
-_RESULT_BYTES = 16     # the widest accumulator (an argmax pair, a double online pair)
 
 
 def staged_loads(ir: KernelIR) -> list[Load]:
@@ -78,20 +77,19 @@ def why_not_staged(ir: KernelIR) -> str | None:
     loads = staged_loads(ir)
     if not loads:
         return "no load contiguous along the reduced index"
-    k = _Kernel(ir)
-    if _smem_bytes(k, loads, int(extent), len(ir.inner_reductions)) > STAGE_SMEM:
+    ptr = {a.name: CTYPE[a.dtype] for a in ir.inputs + ir.outputs}
+    if _smem_bytes(ptr, loads, int(extent), _smem_width(ir),
+                   len(ir.inner_reductions)) > STAGE_SMEM:
         return f"its tiles need more than {STAGE_SMEM} bytes of shared memory"
     return None
 
 
-def _bytes(ctype: str) -> int:
-    return {"double": 8, "long long": 8, "float": 4, "int": 4, "__half": 2,
-            "__nv_bfloat16": 2, "short": 2}.get(ctype, 1)
-
-
-def _smem_bytes(k: _Kernel, loads: list[Load], K: int, n_results: int) -> int:
-    tiles = sum(_round16(STAGE_ROWS * _pitch(K) * _bytes(k.ptr[ld.buf])) for ld in loads)
-    return tiles + n_results * STAGE_ROWS * _RESULT_BYTES
+def _smem_bytes(ptr: dict[str, str], loads: list[Load], K: int, width: int,
+                n_results: int) -> int:
+    """The tiles of ``loads`` (``ptr``: each buffer's C type), then ``n_results`` arrays
+    of one ``width``-byte accumulator a row."""
+    tiles = sum(_round16(STAGE_ROWS * _pitch(K) * _BYTES.get(ptr[ld.buf], 8)) for ld in loads)
+    return tiles + n_results * STAGE_ROWS * width
 
 
 def _pitch(K: int) -> int:
@@ -116,6 +114,7 @@ def emit_staged(ir: KernelIR) -> Emitted:
     pitch = _pitch(K)
     loads = staged_loads(ir)
     reds = list(ir.inner_reductions)
+    width = _smem_width(ir)    # bytes of the widest accumulator: each row's result slot
     IDX = k.IDX
     params, sig, names = k.signature([], [("int log2_tk", "i", "log2_tk")])
     L = k.lines
@@ -125,18 +124,18 @@ def emit_staged(ir: KernelIR) -> Emitted:
     L.append(f'extern "C" __global__ void __launch_bounds__({STAGE_THREADS}) {ir.name}(')
     L.append("    " + ",\n    ".join(params) + ") {")
     L.append(f"  __shared__ __align__(16) unsigned char sfk_stage"
-             f"[{_smem_bytes(k, loads, K, len(reds))}];")
+             f"[{_smem_bytes(k.ptr, loads, K, width, len(reds))}];")
     offset = 0
     tile = {}
     for j, ld in enumerate(loads):
         ct = k.ptr[ld.buf]
         L.append(f"  {ct}* sfk_st{j} = reinterpret_cast<{ct}*>(sfk_stage + {offset});")
         tile[ld] = f"sfk_st{j}"
-        offset += _round16(STAGE_ROWS * pitch * _bytes(ct))
+        offset += _round16(STAGE_ROWS * pitch * _BYTES.get(ct, 8))
     for r in reds:
         L.append(f"  {_acc_ctype(r)}* sfk_res{r.rid} = reinterpret_cast<{_acc_ctype(r)}*>"
                  f"(sfk_stage + {offset});")
-        offset += STAGE_ROWS * _RESULT_BYTES
+        offset += STAGE_ROWS * width
     L += k.symbol_prologue("  ")
     rows = " * ".join(f"({k.c_size(e)})" for e in d.row_extents) or "1"
     L.append(f"  const {IDX} rows = {rows};")
