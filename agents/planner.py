@@ -11,7 +11,9 @@ The partition is deterministic and greedy, in graph order:
   with a batch norm of the same shape alone consumes (a residual block's two branches)
   moves into that region;
 * pointwise, reduction and normalisation nodes join the open fused region when they
-  consume a value it produces, else they open a new fused region;
+  consume a value it produces; a pointwise node with no fused producer joins a fused
+  region that reads the value it reads, of its size (``siblings.may_join``: the softmax
+  of an attention's scores and its check of masked rows); else it opens a new one;
 * in backward, a Linear's bias gradient ``sum(g, [0])`` joins the gemm region of its
   weight gradient ``mm(t(g), x)`` (one cuBLASLt BGRADB call can compute both);
 * views and ``getitem``s move no data: they join the region of their producer when that
@@ -48,6 +50,8 @@ from stitch_backend.pooling import POOLING
 from stitch_backend.opclass import POOL_OPS, OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary, feeding
 
+from stitch_backend.agents.siblings import bases, may_join, numel as _numel, same_numel
+
 log = logging.getLogger("stitch_backend.agents.planner")
 
 aten = torch.ops.aten
@@ -71,22 +75,6 @@ class _Open:
     anchor_numel: object = None  # element count of a gemm/conv product
     reason: str | None = None
     symbolic: bool = False
-
-
-def _numel(node: torch.fx.Node):
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return val.numel()
-    return None
-
-
-def _same_numel(a, b) -> bool:
-    if a is None or b is None:
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # symbolic comparison that cannot be decided statically
-        return str(a) == str(b)
 
 
 def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
@@ -162,9 +150,22 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
         producers = [p for p in _producers(node) if p >= 0]
         fused = [p for p in producers if regions[p].kind is RegionKind.FUSED]
         if not fused:
-            return None
+            return _sibling_target(node, producers)
         target = max(fused)
         return target if max(producers) <= target else None
+
+    def _sibling_target(node: torch.fx.Node, producers: list[int]) -> int | None:
+        """The latest fused region that ``node`` can run beside (``siblings.may_join``): one that
+        reads a value ``node`` reads, and comes after every region ``node`` reads from."""
+        if classify(node) is not OpClass.POINTWISE:
+            return None
+        mine = bases(node)
+        for idx in range(len(regions) - 1, max(producers, default=0) - 1, -1):
+            region = regions[idx]
+            if region.kind is RegionKind.FUSED and may_join(node, region) and any(
+                    mine & bases(n) for n in region.nodes):
+                return idx
+        return None
 
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
@@ -492,7 +493,7 @@ def _is_epilogue(node: torch.fx.Node, cls: OpClass, region: _Open) -> bool:
     the epilogue's values as its kernel computes them instead of a written copy (the
     BatchNorm's normalisation, say, when its statistics are split)."""
     if cls is OpClass.POINTWISE:
-        return _same_numel(_numel(node), region.anchor_numel)
+        return same_numel(_numel(node), region.anchor_numel)
     if region.kind is RegionKind.CONV and cls is OpClass.NORM:
         return op_name(node) in _CONV_EPILOGUE_NORMS
     if region.kind is RegionKind.CONV and cls is OpClass.REDUCTION:
@@ -522,7 +523,7 @@ def _global_pool(node: torch.fx.Node, region: _Open) -> bool:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5) or not dims:
         return False
-    if not _same_numel(x.numel(), region.anchor_numel):
+    if not same_numel(x.numel(), region.anchor_numel):
         return False
     return sorted(int(d) % x.dim() for d in dims) == list(range(2, x.dim()))
 
