@@ -158,7 +158,7 @@ class StitchBackend:
                 for rec in records:   # where it would have run: the report says why not
                     rec.notes.append(f"eager guard off: {why}")
             return compiled
-        return eager_guard.EagerGuard(gm, compiled, of_this_graph)
+        return eager_guard.EagerGuard(eager_guard.direct_forward(gm), compiled, of_this_graph)
 
     def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
                  dynamo_graph: int = -1) -> Callable:

@@ -91,6 +91,30 @@ def test_decides_once_after_verification(guard_on_cpu):
     assert len(seen) == 4 and not timings
 
 
+def test_the_graph_as_traced_is_called_without_nn_module_call(guard_on_cpu, monkeypatch):
+    """A graph that runs as traced calls its GraphModule's forward directly: through the
+    module's ``__call__`` (FX's _WrappedCall, nn.Module's hooks) it cost 1-3 us more."""
+    backend = StitchBackend(options=dict(ON, codegen=False))
+    compiled = torch.compile(lambda x: torch.nn.functional.softplus(x) * 2 + 1,
+                             backend=backend)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(x)
+        assert backend.records[0].runs_as_traced
+        calls = []
+        real = torch.nn.Module._call_impl
+
+        def counted(self, *args, **kwargs):
+            calls.append(type(self).__name__)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.Module, "_call_impl", counted)
+        out = compiled(x)
+    assert not calls
+    torch.testing.assert_close(out, torch.nn.functional.softplus(x) * 2 + 1)
+
+
 def test_all_aten_program_runs_as_traced_without_timing(guard_on_cpu):
     _, seen = guard_on_cpu
     backend = _run(Softplus(), torch.randn(16, 32), dict(ON, codegen=False))
