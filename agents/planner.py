@@ -157,16 +157,14 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
     def _sibling_target(node: torch.fx.Node, producers: list[int]) -> int | None:
         """The latest fused region that ``node`` can run beside (``siblings.may_join``):
         one that reads a value ``node`` reads, and comes after every region ``node`` reads
-        from. Not a layout conversion's region (its tiled template copies one value)."""
+        from."""
         if classify(node) is not OpClass.POINTWISE:
             return None
         mine = bases(node)
         for idx in range(len(regions) - 1, max(producers, default=0) - 1, -1):
             region = regions[idx]
-            if region.kind is not RegionKind.FUSED or any(
-                    n.meta.get(LAYOUT_CONVERSION) for n in region.nodes):
-                continue
-            if may_join(node, region) and any(mine & bases(n) for n in region.nodes):
+            if region.kind is RegionKind.FUSED and may_join(node, region) and any(
+                    mine & bases(n) for n in region.nodes):
                 return idx
         return None
 

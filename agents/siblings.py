@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from stitch_backend.layout import CONVERSION as LAYOUT_CONVERSION
 from stitch_backend.opclass import OpClass, classify
 
 
@@ -46,9 +47,12 @@ def may_join(node: torch.fx.Node, region) -> bool:
 
     ``node`` must be of the size of the largest value in ``region``, so the kernel keeps
     its iteration space; a region with a reduction takes it only where ``node`` reads the
-    very value the reduction reads (its rows), not another view of it."""
-    sizes = [numel(n) for n in region.nodes if numel(n) is not None]
-    if not sizes or not same_numel(numel(node), max(sizes, key=as_int)):
+    very value the reduction reads (its rows), not another view of it. A layout
+    conversion's region takes none (its tiled template copies one value)."""
+    if any(n.meta.get(LAYOUT_CONVERSION) for n in region.nodes):
+        return False
+    sizes = [size for size in map(numel, region.nodes) if size is not None]
+    if not sizes or not same_numel(numel(node), max(sizes, key=_as_int)):
         return False
     classes = {classify(n) for n in region.nodes}
     if classes <= {OpClass.POINTWISE, OpClass.VIEW, OpClass.FACTORY}:
@@ -60,7 +64,7 @@ def may_join(node: torch.fx.Node, region) -> bool:
     return any(a in reduced for a in node.all_input_nodes)
 
 
-def as_int(n) -> int:
+def _as_int(n) -> int:
     try:
         return int(n)
     except Exception:  # symbolic: sizes are compared with same_numel instead
