@@ -197,7 +197,10 @@ def _tidy(ctx: Ctx, outputs: list[TensorArg], stores: list[Store], int_inputs) -
     rows = [v for v in ctx.row_vars if v not in ones]
     reds = [v for v in ctx.red_vars if v not in ones]
     ref = _reference_expr(ctx, k)
-    rows = _order(rows, ref)
+    # Rows follow the reference load; where its strides are not plain numbers (a
+    # pooling's clamped window, a pad) they follow the stores instead, so a channels-last
+    # pooling walks its channels innermost, as it reads and writes them
+    rows = _order(rows, ref, *(s.offset for s in k.stores))
     reds = _order(reds, ref)
     counter = [len(ctx.dom_vars)]
     rows = _merge(rows, extents, k, ranges, counter)
@@ -230,20 +233,25 @@ def _reference_expr(ctx: Ctx, k: _Kernel) -> sympy.Expr | None:
     return max(elem, key=lambda s: len(s.offset.free_symbols)).offset
 
 
-def _order(vars_: list, ref: sympy.Expr | None) -> list:
-    """Sort by decreasing stride in ``ref`` when the strides are known numbers."""
-    if ref is None or len(vars_) < 2:
+def _order(vars_: list, ref: sympy.Expr | None, *fallbacks: sympy.Expr) -> list:
+    """Sort by decreasing stride in ``ref`` when the strides are known numbers, not all
+    zero; else in the first of ``fallbacks`` where they are; else as they are."""
+    if len(vars_) < 2:
         return vars_
-    coeffs = []
-    for v in vars_:
-        c = sympy.expand(sympy.diff(ref, v))
-        if not c.is_Number:
-            return vars_
-        coeffs.append(int(c))
-    if all(c == 0 for c in coeffs):
-        return vars_
-    order = sorted(range(len(vars_)), key=lambda j: -coeffs[j])
-    return [vars_[j] for j in order]
+    for expr in (ref, *fallbacks):
+        if expr is None:
+            continue
+        coeffs = []
+        for v in vars_:
+            c = sympy.expand(sympy.diff(expr, v))
+            if not c.is_Number:
+                break
+            coeffs.append(int(c))
+        else:
+            if any(coeffs):
+                order = sorted(range(len(vars_)), key=lambda j: -coeffs[j])
+                return [vars_[j] for j in order]
+    return vars_
 
 
 def _linear_coeff(e: sympy.Expr, v: sympy.Symbol):

@@ -218,6 +218,9 @@ REDUCTIONS = [
     _c("pool_max1d_dilated", lambda a: F.max_pool1d(a, 8, 1, 4, 3), T((2, 3, 50))),
     _c("pool_max2d_pad", lambda a: F.max_pool2d(a, 4, 1, 1), T((2, 3, 17, 19))),
     _c("pool_max2d_stem", lambda a: F.max_pool2d(torch.relu(a), 3, 2, 1), T((2, 4, 16, 15))),
+    # the same on a channels-last input (ResNet's stem, run NHWC): rows channel-fastest
+    _c("pool_max2d_stem_channels_last", lambda a: F.max_pool2d(torch.relu(a), 3, 2, 1),
+       T((2, 16, 15, 6), perm=(0, 3, 1, 2))),
     _c("pool_max2d_f16_rect", lambda a: F.max_pool2d(a, (2, 3), (1, 2), (1, 0), (2, 1)),
        T((2, 3, 9, 11), f16), atol=1e-3),
     _c("pool_max3d", lambda a: F.max_pool3d(a, 3, 2, 1, 3), T((2, 2, 9, 10, 11))),

@@ -82,6 +82,20 @@ def test_a_channels_last_pooling_takes_its_rows_channel_fastest():
         assert k.launch_shape(64, 4)[1] == 32           # few rows: blocks stay small
 
 
+def test_a_channels_last_pooling_over_overlapping_windows_takes_its_rows_channel_fastest():
+    """A padded, strided max pooling (ResNet's stem) reads its input through clamped
+    window indices, whose strides are no plain numbers: the rows then follow the
+    output's memory order, channels fastest, so neighbouring threads read and write
+    neighbouring channels (before: the logical order, one channel per thread 2*C
+    elements apart). The NCHW case keeps the width fastest."""
+    for name, inner in (("pool_max2d_stem_channels_last", "= r % 6;"),
+                        ("pool_max2d_stem", "= r % 8;")):
+        case = next(c for c in CASES if c.name == name)
+        k = generate(case.trace(), case.name)
+        first = next(ln.strip() for ln in k.source.splitlines() if "= r %" in ln)
+        assert first.endswith(inner), (name, first)
+
+
 def test_reduction_shared_memory_fits_its_widest_accumulator():
     """One staged accumulator per thread (up to 1024): 4 KB for fp32 sums, 16 KB only
     where an argmax carries (value, index) pairs."""
