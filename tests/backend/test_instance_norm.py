@@ -36,7 +36,8 @@ def test_forced_rewrite_computes_instance_norm_over_its_own_dims(affine, dims):
     backend = _check(make, x, channels_last=True)
     rec = backend.records[0]
     assert rec.notes[0] == ("channels-last: 1 convolution(s) run NHWC, 2 layout conversion(s) "
-                            "in the graph, 1 instance norm(s) computed over their own dims "
+                            "in the graph, 1 convolution weight(s) converted, 1 instance "
+                            "norm(s) computed over their own dims "
                             "(no view of N*C channels)"), rec.notes[0]
     targets = [n.target for n in rec.gm.graph.nodes]
     assert not any(t in layout._BN_TRAIN for t in targets)
