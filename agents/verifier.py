@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Sequence
 
 import torch
 
-from stitch_backend.correctness import compare, run_fp64
+from stitch_backend.correctness import Comparison, compare, run_fp64
 
 from .state import Verdict
 
@@ -129,44 +129,67 @@ class Verifier:
         positions of inputs every draw keeps (see ``fresh_draw``)."""
         s = self.settings
         gen = DeviceGenerators(seed)
-        draws: list[list[Any]] = [list(inputs)]
-        draws += [fresh_draw(inputs, gen, keep=keep) for _ in range(s.draws)]
-        refs = [list(eager(*d)) for d in draws]
-        degenerate = not any(_outputs_differ(refs[0], r) for r in refs[1:])
-        if degenerate:
-            wide = [fresh_draw(inputs, gen, scale=10.0, keep=keep),
-                    fresh_draw(inputs, gen, negative=True, keep=keep)][: max(s.wide_draws, 0)]
-            for d in wide:
-                draws.append(d)
-                refs.append(list(eager(*d)))
-            degenerate = not any(_outputs_differ(refs[0], r) for r in refs[1:])
-        worst = None
-        for d, ref in zip(draws, refs):
+        # One draw at a time (its inputs, eager's and the candidate's outputs, an fp64
+        # run only where the 1e-4 test fails), freed before the next: with every draw and
+        # reference held at once, a region of 6 GiB inputs (KernelBench L1's elementwise
+        # tasks) needed ~66 GiB and ran out of memory on an 80 GiB H100. Only the first
+        # reference stays, to tell whether the outputs depend on the inputs at all.
+        ref0 = list(eager(*inputs))
+        differ = False
+        worst: Comparison | None = None
+        checked = 0
+
+        def judge(d: list[Any], ref: list[Any]) -> Verdict | None:
+            nonlocal worst, checked
+            checked += 1
             try:
                 got = _poisoned(candidate, d)
             except Exception as err:  # noqa: BLE001 - a failing candidate is a verdict
                 return Verdict(ok=False, reason=f"candidate raised {type(err).__name__}: {err}",
-                               draws=len(draws))
-            ref64 = None
-            if any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in d):
+                               draws=checked)
+            cmp = compare(got, ref, None)
+            if not cmp.ok_design and any(isinstance(x, torch.Tensor) and x.is_floating_point()
+                                         for x in d):
                 try:
                     ref64 = list(run_fp64(eager, d))
                 except Exception:  # noqa: BLE001 - some ops have no fp64 kernel
                     ref64 = None
-            cmp = compare(got, ref, ref64)
+                if ref64 is not None:
+                    cmp = compare(got, ref, ref64)
+                del ref64
             if not cmp.ok_design:
                 return Verdict(ok=False, reason=f"wrong result: {cmp.reason}", correct=False,
                                max_abs=cmp.max_abs, norm_err=cmp.norm_err,
-                               eager_norm_err=cmp.eager_norm_err, draws=len(draws),
-                               degenerate=degenerate)
+                               eager_norm_err=cmp.eager_norm_err, draws=checked,
+                               degenerate=not differ)
             if worst is None or cmp.max_abs > worst.max_abs:
                 worst = cmp
+            return None
+
+        def draw_and_judge(make: Callable[[], list[Any]]) -> Verdict | None:
+            nonlocal differ
+            d = make()
+            ref = list(eager(*d))
+            differ = differ or _outputs_differ(ref0, ref)
+            return judge(d, ref)
+
+        failed = judge(list(inputs), ref0)
+        for _ in range(s.draws):
+            failed = failed or draw_and_judge(lambda: fresh_draw(inputs, gen, keep=keep))
+        if not differ and not failed:
+            wide = [lambda: fresh_draw(inputs, gen, scale=10.0, keep=keep),
+                    lambda: fresh_draw(inputs, gen, negative=True, keep=keep)]
+            for make in wide[: max(s.wide_draws, 0)]:
+                failed = failed or draw_and_judge(make)
+        if failed is not None:
+            return failed
+        degenerate = not differ
         note = " (reference barely depends on its inputs, even on wide draws)" if degenerate else ""
         verdict = Verdict(ok=True, reason="correct" + note, correct=True,
                           max_abs=worst.max_abs if worst else None,
                           norm_err=worst.norm_err if worst else None,
                           eager_norm_err=worst.eager_norm_err if worst else None,
-                          draws=len(draws), degenerate=degenerate)
+                          draws=checked, degenerate=degenerate)
         if not (torch.cuda.is_available() and _on_cuda(inputs)):
             verdict.reason += "; not timed (no CUDA inputs)"
             return verdict
