@@ -20,6 +20,7 @@ from stitch_backend.ir import Region, RegionKind
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import CONSTANT, region_module, split_anchor
 
+from . import launch_alternatives
 from .state import Candidate, Stage, Subtask
 
 log = logging.getLogger("stitch_backend.agents.coder")
@@ -90,7 +91,8 @@ class TemplateCoder:
         else:
             raise NoCandidate(f"no template for {subtask.kind} regions yet: ATen runs it")
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
-        cand.alternatives += self._row_write_layouts(subtask, stages)
+        cand.alternatives += launch_alternatives.row_write_layouts(self, subtask, stages)
+        cand.alternatives += launch_alternatives.narrow_columns(self, subtask, stages)
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)
@@ -337,41 +339,6 @@ class TemplateCoder:
                          source="\n".join(k.source for k in kernels), kernel=kernels[0],
                          signature=kernels[0].signature, stages=stages,
                          region_inputs=list(subtask.region.inputs), region_outputs=outputs)
-
-    def _row_write_layouts(self, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
-        """The candidate again with each of its reduction kernels that reads rows
-        contiguously but writes along the rows (``emit_reduction.stores_across_rows``)
-        in the ``column`` layout instead, and again in the ``staged`` layout
-        (``emit_staged``, where its rows fit in shared memory); none where no kernel is
-        such."""
-        from stitch_backend.codegen.emit_reduction import stores_across_rows
-        from stitch_backend.codegen.emit_staged import why_not_staged
-
-        if not any(s.kernel is not None and stores_across_rows(s.kernel.ir) for s in stages):
-            return []
-        found = []
-        for layout, suffix, applies in (
-                ("column", "col", stores_across_rows),
-                ("staged", "stg", lambda ir: why_not_staged(ir) is None)):
-            swapped, changed = [], False
-            for stage in stages:
-                kernel = stage.kernel
-                if kernel is not None and applies(kernel.ir):
-                    module = region_module(subtask.graph, stage.region)
-                    try:
-                        kernel = generate(module, f"{kernel.name}_{suffix}",
-                                          sm_count=self.sm_count, layout=layout)
-                    except Unsupported as err:
-                        log.debug("no %s-layout candidate for %s: %s", layout,
-                                  subtask.region_name, err)
-                        swapped = []
-                        break
-                    changed = True
-                swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
-            if swapped and changed:
-                found.append(self._candidate(subtask, f"{subtask.region_name}_{suffix}",
-                                             swapped, list(subtask.region.outputs)))
-        return found
 
     def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
                       tag: str = "") -> list[Candidate]:

@@ -168,6 +168,9 @@ class FusedKernel:
     sm_count: int = 132
     ir: KernelIR = field(repr=False, compare=False, default=None)
     emitted: Emitted = field(repr=False, compare=False, default=None)
+    # column layout: as many blocks as the rows allow (``launch_shape``), an alternative
+    # the Coder offers beside the template's launch (agents.launch_alternatives.narrow_columns)
+    narrow: bool = False
     _layouts: dict = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -226,6 +229,13 @@ class FusedKernel:
             # 32 consecutive rows per block coalesce best; with few rows, 8 (one 32-byte
             # sector of fp32) leaves more blocks for the SMs.
             rb = 32 if rows >= 32 * self.sm_count else 8
+            if self.narrow:
+                # fewer rows a block, down to one, until the blocks cover the SMs: a
+                # warp then reads scattered rows (a sector for each element), which only
+                # pays where the value is small enough to stay in L2 (the Verifier races
+                # this against the template's launch)
+                while rb > 1 and rows < rb * self.sm_count:
+                    rb //= 2
             rb = min(rb, _pow2_at_least(max(rows, 1)))
             tk = _pow2_at_least(max(1, _cdiv(reduce_len, 4)))
             tk = max(min(tk, MAX_THREADS // rb), max(1, 32 // rb))
@@ -292,9 +302,10 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
-             layout: str | None = None) -> FusedKernel:
+             layout: str | None = None, narrow: bool = False) -> FusedKernel:
     """The fused CUDA kernel for region ``gm``, entry point ``name``; ``layout`` forces a
-    reduction's thread layout (``emit_reduction``).
+    reduction's thread layout (``emit_reduction``), ``narrow`` a column reduction's
+    launch of few rows a block (``FusedKernel.narrow``).
 
     Raises ``Unsupported`` (with the op and the reason) for what the templates cannot
     express, ValueError for a name that is not a C identifier.
@@ -306,7 +317,8 @@ def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
     ops = list(dict.fromkeys(ir.ops))
     code_log.debug("generated %s:\n%s", name, em.source)
     return FusedKernel(name=name, source=em.source, entry=em.entry, ops=ops,
-                       signature=em.signature, sm_count=sm_count, ir=ir, emitted=em)
+                       signature=em.signature, sm_count=sm_count, ir=ir, emitted=em,
+                       narrow=narrow)
 
 
 __all__ = ["FusedKernel", "LaunchPlan", "Layout", "Unsupported", "generate", "key_from_json",

@@ -122,3 +122,65 @@ def test_every_layout_compiles_for_sm90a():
     results = compile_many([CompileJob(c.source, c.name, "sm_90a") for c in (cand, *alts)])
     assert not [r for r in results if isinstance(r, CompileError)], results
     assert all(r.cubin[:4] == b"\x7fELF" for r in results)
+
+
+class ConvBatchNorm(nn.Module):
+    """ResNet18 layer2's epilogue, smaller batch of positions: a 3x3 convolution to
+    ``channels`` channels, a training BatchNorm, ReLU."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(8, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def _bn_region(channels: int, channels_last: bool):
+    backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last,
+                                     "channels_last": channels_last})
+    torch.manual_seed(0)
+    with torch.no_grad():
+        torch.compile(ConvBatchNorm(channels), backend=backend)(torch.randn(2, 8, 14, 14))
+    (rec,) = backend.records
+    (region,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
+    return rec.gm, region
+
+
+def test_a_column_reduction_over_few_rows_gets_a_narrow_launch_alternative():
+    """A channels-last BatchNorm over 128 channels reduces them as columns, eight a block:
+    16 blocks for 132 SMs. The Coder offers the candidate again with that kernel
+    launched ``narrow`` (one channel a block, 128 blocks; same source but its name), which
+    computes the region's outputs; the Verifier keeps the faster."""
+    gm, region = _bn_region(128, channels_last=True)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "bn_region"))
+    (nrw,) = [a for a in cand.alternatives if a.name == "bn_region_nrw"]
+    # the statistics and normalisation (a column kernel), then the conversion back to
+    # NCHW at the graph's output (a tiled kernel, the same object in both)
+    base = [s.kernel for s in cand.stages if s.kernel is not None]
+    assert [k.emitted.layout for k in base] == ["column", "tiled"]
+    assert not any(k.narrow for k in base)
+    narrow = [s.kernel for s in nrw.stages if s.kernel is not None]
+    assert narrow[1] is base[1] and narrow[0].narrow and narrow[0].entry.endswith("_nrw")
+    positions = 2 * 14 * 14
+    assert base[0].launch_shape(128, positions)[0] == 16
+    blocks, threads, log2_tk = narrow[0].launch_shape(128, positions)
+    assert blocks == 128 and threads >> log2_tk == 1
+    assert narrow[0].source.replace(narrow[0].entry, "E") == base[0].source.replace(
+        base[0].entry, "E")
+    inputs = _inputs(gm, region)
+    want = region_module(gm, region)(*inputs)
+    got = runner_for(nrw, base=InterpretedRunner)(*inputs)
+    for g, w in zip(got, want):
+        assert g.stride() == w.stride()
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_no_narrow_alternative_where_the_template_fills_the_gpu():
+    """Channels enough for eight a block on every SM, or rows read contiguously (NCHW:
+    the inner layout), leave the template's launch alone."""
+    for channels, channels_last in ((1280, True), (128, False)):
+        gm, region = _bn_region(channels, channels_last)
+        cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+        assert not [a for a in cand.alternatives if a.name.endswith("_nrw")], channels

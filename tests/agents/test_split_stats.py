@@ -154,9 +154,10 @@ def test_channels_last_batchnorm_is_split_without_the_option():
     alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
     kernels = {a.name: len([s for s in a.stages if s.kernel is not None]) for a in alts}
     # after cuDNN's convolution, and after the generated one of 3 input channels (_sc);
-    # the conversion back to NCHW is the template's third kernel, in the splits' last
+    # the conversion back to NCHW is the template's third kernel, in the splits' last;
+    # 16 channels: the template's column kernel launched narrow too (_nrw)
     assert kernels == {"k_split": 5, "k_split1p": 3, "k_sc": 3, "k_sc_split": 6,
-                       "k_sc_split1p": 4}, kernels
+                       "k_sc_split1p": 4, "k_nrw": 2}, kernels
     inputs = [env[n] for n in region.inputs]
     want = region_module(rec.gm, region)(*inputs)
     for alt in alts:

@@ -165,3 +165,32 @@ def test_column_layout_matches_the_inner_layout_and_eager(what):
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         (again,) = _launch(kernel, launch, [x])
         torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("channels", [128, 37])
+def test_a_narrow_column_launch_gives_the_template_launchs_values(channels):
+    """A channels-last BatchNorm's statistics and normalisation over few channels (ResNet18
+    layer2's 128 x 1568 positions; 37, not a power of two): the column kernel launched
+    ``narrow`` (one or a few channels a block, as many blocks as channels) gives eager's
+    values, as the template's launch of eight channels a block does."""
+    from stitch_backend.cuda_driver import CudaModule
+
+    def norm(a):
+        mean = a.mean((0, 2, 3), keepdim=True)
+        var = a.var((0, 2, 3), keepdim=True, correction=0)
+        return torch.relu((a - mean) * torch.rsqrt(var + 1e-5))
+
+    x = torch.randn(2, 28, 28, channels, device="cuda").permute(0, 3, 1, 2)
+    gm = make_fx(norm, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(x)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = norm(x)
+    for narrow in (False, True):
+        kernel = generate(gm, f"nrw_{channels}_{int(narrow)}", sm_count=sms, layout="column",
+                          narrow=narrow)
+        blocks = kernel.launch_shape(channels, 2 * 28 * 28)[0]
+        assert (blocks >= channels) if narrow else (blocks <= -(-channels // 8))
+        cubin = toolchain.compile_cubin(kernel.source, kernel.entry, toolchain.device_arch()).cubin
+        launch = CudaModule(cubin).function(kernel.entry, kernel.signature)
+        (got,) = _launch(kernel, launch, [x])
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

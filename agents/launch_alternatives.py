@@ -1,0 +1,89 @@
+"""Alternatives of a Coder candidate that differ from it only in how a reduction kernel
+is laid out or launched (the Verifier races each against the candidate and keeps the
+fastest): the column and staged layouts of a reduction that writes across its rows, and
+the narrow launch of a column reduction over few rows. ``coder`` is the TemplateCoder
+(its ``sm_count`` and ``_candidate``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import sympy
+
+from stitch_backend.codegen.fused import Unsupported, generate
+from stitch_backend.regions import region_module
+
+from .state import Candidate, Stage, Subtask
+
+log = logging.getLogger("stitch_backend.agents.coder")
+
+
+def row_write_layouts(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    """The candidate again with each of its reduction kernels that reads rows
+    contiguously but writes along the rows (``emit_reduction.stores_across_rows``)
+    in the ``column`` layout instead, and again in the ``staged`` layout
+    (``emit_staged``, where its rows fit in shared memory); none where no kernel is
+    such."""
+    from stitch_backend.codegen.emit_reduction import stores_across_rows
+    from stitch_backend.codegen.emit_staged import why_not_staged
+
+    if not any(s.kernel is not None and stores_across_rows(s.kernel.ir) for s in stages):
+        return []
+    found = []
+    for layout, suffix, applies in (
+            ("column", "col", stores_across_rows),
+            ("staged", "stg", lambda ir: why_not_staged(ir) is None)):
+        swapped, changed = [], False
+        for stage in stages:
+            kernel = stage.kernel
+            if kernel is not None and applies(kernel.ir):
+                module = region_module(subtask.graph, stage.region)
+                try:
+                    kernel = generate(module, f"{kernel.name}_{suffix}",
+                                      sm_count=coder.sm_count, layout=layout)
+                except Unsupported as err:
+                    log.debug("no %s-layout candidate for %s: %s", layout,
+                              subtask.region_name, err)
+                    swapped = []
+                    break
+                changed = True
+            swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
+        if swapped and changed:
+            found.append(coder._candidate(subtask, f"{subtask.region_name}_{suffix}",
+                                         swapped, list(subtask.region.outputs)))
+    return found
+
+
+def narrow_columns(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    """The candidate again with each column-layout reduction over fewer static rows
+    than eight a block gives the SMs (a channels-last BatchNorm of 128 channels: 16
+    blocks) launched ``narrow`` (``FusedKernel.narrow``: one row a block there, 128
+    blocks); none where no kernel is such. The Verifier keeps the faster launch."""
+    def few_rows(kernel: Any) -> bool:
+        ir = getattr(kernel, "ir", None)
+        if ir is None or getattr(kernel, "emitted", None) is None \
+                or kernel.emitted.layout != "column":
+            return False
+        rows = sympy.Mul(*ir.domain.row_extents)
+        return bool(rows.is_Integer) and int(rows) < 8 * coder.sm_count
+
+    if not any(few_rows(s.kernel) for s in stages):
+        return []
+    swapped = []
+    for stage in stages:
+        kernel = stage.kernel
+        if few_rows(kernel):
+            module = region_module(subtask.graph, stage.region)
+            try:
+                kernel = generate(module, f"{kernel.name}_nrw", sm_count=coder.sm_count,
+                                  layout="column", narrow=True)
+            except Unsupported as err:
+                log.debug("no narrow candidate for %s: %s", subtask.region_name, err)
+                return []
+        swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
+    return [coder._candidate(subtask, f"{subtask.region_name}_nrw", swapped,
+                            list(subtask.region.outputs))]
+
+
+__all__ = ["narrow_columns", "row_write_layouts"]
