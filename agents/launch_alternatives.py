@@ -7,7 +7,7 @@ the narrow launch of a column reduction over few rows. ``coder`` is the Template
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 
@@ -32,26 +32,11 @@ def row_write_layouts(coder: Any, subtask: Subtask, stages: list[Stage]) -> list
         return []
     found = []
     for layout, suffix, applies in (
-            ("column", "col", stores_across_rows),
-            ("staged", "stg", lambda ir: why_not_staged(ir) is None)):
-        swapped, changed = [], False
-        for stage in stages:
-            kernel = stage.kernel
-            if kernel is not None and applies(kernel.ir):
-                module = region_module(subtask.graph, stage.region)
-                try:
-                    kernel = generate(module, f"{kernel.name}_{suffix}",
-                                      sm_count=coder.sm_count, layout=layout)
-                except Unsupported as err:
-                    log.debug("no %s-layout candidate for %s: %s", layout,
-                              subtask.region_name, err)
-                    swapped = []
-                    break
-                changed = True
-            swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
-        if swapped and changed:
-            found.append(coder._candidate(subtask, f"{subtask.region_name}_{suffix}",
-                                         swapped, list(subtask.region.outputs)))
+            ("column", "col", lambda k: stores_across_rows(k.ir)),
+            ("staged", "stg", lambda k: why_not_staged(k.ir) is None)):
+        cand = _swapped(coder, subtask, stages, applies, suffix, layout=layout)
+        if cand is not None:
+            found.append(cand)
     return found
 
 
@@ -61,29 +46,39 @@ def narrow_columns(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Ca
     blocks) launched ``narrow`` (``FusedKernel.narrow``: one row a block there, 128
     blocks); none where no kernel is such. The Verifier keeps the faster launch."""
     def few_rows(kernel: Any) -> bool:
-        ir = getattr(kernel, "ir", None)
-        if ir is None or getattr(kernel, "emitted", None) is None \
+        if getattr(kernel, "ir", None) is None or getattr(kernel, "emitted", None) is None \
                 or kernel.emitted.layout != "column":
             return False
-        rows = sympy.Mul(*ir.domain.row_extents)
+        rows = sympy.Mul(*kernel.ir.domain.row_extents)
         return bool(rows.is_Integer) and int(rows) < 8 * coder.sm_count
 
-    if not any(few_rows(s.kernel) for s in stages):
-        return []
-    swapped = []
+    cand = _swapped(coder, subtask, stages, few_rows, "nrw", layout="column", narrow=True)
+    return [] if cand is None else [cand]
+
+
+def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
+             suffix: str, **how: Any) -> Candidate | None:
+    """The candidate named ``REGION_suffix`` whose kernels that ``applies`` to are
+    generated again with ``how`` (``codegen.fused.generate``'s keywords) under their name
+    plus ``_suffix``; None where no kernel applies or one of them cannot be generated so."""
+    swapped, changed = [], False
     for stage in stages:
         kernel = stage.kernel
-        if few_rows(kernel):
+        if kernel is not None and applies(kernel):
             module = region_module(subtask.graph, stage.region)
             try:
-                kernel = generate(module, f"{kernel.name}_nrw", sm_count=coder.sm_count,
-                                  layout="column", narrow=True)
+                kernel = generate(module, f"{kernel.name}_{suffix}", sm_count=coder.sm_count,
+                                  **how)
             except Unsupported as err:
-                log.debug("no narrow candidate for %s: %s", subtask.region_name, err)
-                return []
+                log.debug("no %s candidate for %s (%s): %s", suffix, subtask.region_name,
+                          how, err)
+                return None
+            changed = True
         swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
-    return [coder._candidate(subtask, f"{subtask.region_name}_nrw", swapped,
-                            list(subtask.region.outputs))]
+    if not changed:
+        return None
+    return coder._candidate(subtask, f"{subtask.region_name}_{suffix}", swapped,
+                            list(subtask.region.outputs))
 
 
 __all__ = ["narrow_columns", "row_write_layouts"]

@@ -328,8 +328,7 @@ class _Rewrite:
             elif node.name in self.exempt or self._stride_dependent(node):
                 self._restore_inputs(node)
             self._recompute(node)
-        filters = len(self.filters)
-        return LayoutResult(True, "", self.conversions - filters, self.convs, filters=filters,
+        return LayoutResult(True, "", self.conversions, self.convs, filters=len(self.filters),
                             exact=len(self.exact & {n.name for n in self.conv_nodes}))
 
     @staticmethod
@@ -369,9 +368,7 @@ class _Rewrite:
                 or val.is_contiguous(memory_format=fmt):
             return w
         if (w, fmt) not in self.filters:
-            clone = self._clone(w, conv, fmt)
-            clone.meta[FILTER] = True
-            self.filters[(w, fmt)] = clone
+            self.filters[(w, fmt)] = self._clone(w, conv, fmt, weight=True)
         return self.filters[(w, fmt)]
 
     def _restore_inputs(self, node: torch.fx.Node) -> None:
@@ -399,13 +396,18 @@ class _Rewrite:
             return self.restored[(arg, fmt)]
         return restore
 
-    def _clone(self, arg: torch.fx.Node, before: torch.fx.Node, fmt) -> torch.fx.Node:
+    def _clone(self, arg: torch.fx.Node, before: torch.fx.Node, fmt,
+               weight: bool = False) -> torch.fx.Node:
+        """A layout conversion of ``arg`` to ``fmt`` before ``before``; ``weight``: a
+        convolution's filter (marked FILTER, counted apart from the activations')."""
         with self.graph.inserting_before(before):
             clone = self.graph.call_function(aten.clone.default, (arg,), {"memory_format": fmt})
         clone.meta[CONVERSION] = str(fmt)
+        if weight:
+            clone.meta[FILTER] = True
         self.traced[clone] = None
         self._recompute(clone)
-        self.conversions += 1
+        self.conversions += not weight
         return clone
 
     def _recompute(self, node: torch.fx.Node) -> None:
