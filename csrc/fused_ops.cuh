@@ -226,6 +226,21 @@ __device__ __forceinline__ T sfk_group_reduce(T v, Op op, int log2_tk, bool inne
     return acc;
   }
   const int RB = blockDim.x >> log2_tk, tr = threadIdx.x % RB;
+  if (RB < 32 && (blockDim.x & 31) == 0) {
+    // A warp holds 32 / RB threads of each of its RB rows, lanes RB apart: shuffles
+    // combine them first, then each thread combines its row's one value per warp (at
+    // most 32) in warp order. Before, every thread combined all TK values serially from
+    // shared memory: 128 dependent loads for a channels-last BatchNorm's 8 x 128 block.
+#pragma unroll 1
+    for (int m = 16; m >= RB; m >>= 1) v = op(v, sfk_shfl_xor(v, m));
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (lane < RB) smem[warp * RB + lane] = v;
+    __syncthreads();
+    T acc = smem[tr];
+    for (int j = 1; j < nw; ++j) acc = op(acc, smem[j * RB + tr]);
+    return acc;
+  }
   __syncthreads();
   smem[threadIdx.x] = v;
   __syncthreads();
