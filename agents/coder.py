@@ -344,17 +344,21 @@ class TemplateCoder:
                       tag: str = "") -> list[Candidate]:
         """The split-statistics alternatives (two-pass and single-pass variance) of a region
         whose (epilogue) part is a training BatchNorm over few channels or a layer norm
-        over few rows; none where that does not apply or generate. ``tag`` prefixes their
+        over few rows, or reduces to few rows (``split_reduce``: one alternative); none
+        where that does not apply or generate. ``tag`` prefixes their
         names (another lead stage)."""
+        from .split_reduce import REDUCE_TARGETS
         from .split_stats import SPLIT_TARGETS
 
         names = set(part.nodes)
-        if not any(n.target in SPLIT_TARGETS for n in subtask.graph.graph.nodes
-                   if n.name in names):
+        targets = {n.target for n in subtask.graph.graph.nodes if n.name in names}
+        if not targets & set(SPLIT_TARGETS + REDUCE_TARGETS):
             return []
         module = region_module(subtask.graph, part)
         found = []
-        for single_pass, suffix in ((False, f"{tag}split"), (True, f"{tag}split1p")):
+        # the single-pass variance differs only where a norm splits
+        passes = (False, True) if targets & set(SPLIT_TARGETS) else (False,)
+        for single_pass, suffix in ((p, f"{tag}split1p" if p else f"{tag}split") for p in passes):
             alt = self._stats_split(subtask, lead, part, module, single_pass, suffix)
             if alt is not None:
                 found.append(alt)

@@ -100,7 +100,8 @@ def split_norms(module: torch.fx.GraphModule, sm_count: int,
                 contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
     """``module`` (a region module) with its training BatchNorms and layer norms rewritten
     into two-level sums, or None when the rewrite does not apply to each of them or would
-    not help.
+    not help. Plain reductions to few rows are rewritten too where they apply
+    (``split_reduce``), and left in the last stage where they do not.
 
     A channels-last input (the layout pass's convolutions) is always split when its
     channels leave SMs idle: one kernel per region would reduce it as columns with a
@@ -116,21 +117,26 @@ def split_norms(module: torch.fx.GraphModule, sm_count: int,
     first element (a shift close to its values, so ``E[d^2] - E[d]^2`` does not cancel
     the way ``E[x^2] - E[x]^2`` does where the mean is large against the spread); three
     kernels instead of five."""
-    norms = [n for n in module.graph.nodes
-             if n.op == "call_function" and n.target in SPLIT_TARGETS]
-    if not norms:
+    from .split_reduce import REDUCE_TARGETS, plan_reduce, rewrite_reduce
+
+    splits = {**_SPLITS, **{t: (plan_reduce, rewrite_reduce) for t in REDUCE_TARGETS}}
+    targets = [n for n in module.graph.nodes if n.op == "call_function" and n.target in splits]
+    plans = {n.name: splits[n.target][0](n, sm_count, contiguous) for n in targets}
+    # every norm must split (its statistics cannot join the last stage); a plain
+    # reduction that does not stays where it is (``split_reduce``)
+    if any(plans[n.name] is None for n in targets if n.target in SPLIT_TARGETS):
         return None
-    plans = [_SPLITS[n.target][0](n, sm_count, contiguous) for n in norms]
-    if any(p is None for p in plans):
+    plans = {name: p for name, p in plans.items() if p is not None}
+    if not plans:
         return None
     new = torch.fx.GraphModule(module, copy_graph(module.graph))
-    new_norms = [nd for nd in new.graph.nodes
-                 if nd.op == "call_function" and nd.target in SPLIT_TARGETS]
-    # statistics stages (0-3) of each norm in turn, then the normalisation of all
-    stages: list[list[str]] = [[] for _ in range(4 * len(norms) + 1)]
-    for i, (norm, plan) in enumerate(zip(new_norms, plans)):
-        _SPLITS[norm.target][1](new, norm, plan, stages[4 * i: 4 * i + 4] + [stages[-1]],
-                                single_pass)
+    new_targets = [nd for nd in new.graph.nodes if nd.name in plans]
+    # statistics stages (0-3) of each norm or reduction in turn, then the normalisation
+    # (the rest of the region) of all
+    stages: list[list[str]] = [[] for _ in range(4 * len(plans) + 1)]
+    for i, node in enumerate(new_targets):
+        splits[node.target][1](new, node, plans[node.name],
+                               stages[4 * i: 4 * i + 4] + [stages[-1]], single_pass)
     ours = {name for stage in stages for name in stage}
     stages[-1] += [nd.name for nd in new.graph.nodes
                    if nd.op == "call_function" and nd.name not in ours]
@@ -141,7 +147,7 @@ def split_norms(module: torch.fx.GraphModule, sm_count: int,
     new.graph.lint()
     new.recompile()
     _propagate_metas(new)
-    return StatsSplit(new, [s for s in stages if s], plans[0].groups)
+    return StatsSplit(new, [s for s in stages if s], next(iter(plans.values())).groups)
 
 
 class _SplitPlan(NamedTuple):
