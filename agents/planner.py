@@ -13,7 +13,8 @@ The partition is deterministic and greedy, in graph order:
 * pointwise, reduction and normalisation nodes join the open fused region when they
   consume a value it produces; a pointwise node with no fused producer joins a fused
   region that reads the value it reads, of its size (``siblings.may_join``: the softmax
-  of an attention's scores and its check of masked rows); else it opens a new one;
+  of an attention's scores and its check of masked rows; without ``defer_roots``, a
+  graph input read by both counts too); else it opens a new one;
 * in backward, a Linear's bias gradient ``sum(g, [0])`` joins the gemm region of its
   weight gradient ``mm(t(g), x)`` (one cuBLASLt BGRADB call can compute both);
 * views and ``getitem``s move no data: they join the region of their producer when that
@@ -50,7 +51,8 @@ from stitch_backend.pooling import POOLING
 from stitch_backend.opclass import POOL_OPS, OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary, feeding
 
-from stitch_backend.agents.siblings import bases, may_join, numel as _numel, same_numel
+from stitch_backend.agents.siblings import (bases, graph_inputs, may_join, numel as _numel,
+                                           same_numel)
 
 log = logging.getLogger("stitch_backend.agents.planner")
 
@@ -160,11 +162,14 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
         from."""
         if classify(node) is not OpClass.POINTWISE:
             return None
-        mine = bases(node)
+        # roots (ops reading only graph inputs) share their graph inputs where they are
+        # not deferred to their consumer instead (``siblings`` module docstring)
+        shared = bases if defer_roots else (lambda n: bases(n) | graph_inputs(n))
+        mine = shared(node)
         for idx in range(len(regions) - 1, max(producers, default=0) - 1, -1):
             region = regions[idx]
             if region.kind is RegionKind.FUSED and may_join(node, region) and any(
-                    mine & bases(n) for n in region.nodes):
+                    mine & shared(n) for n in region.nodes):
                 return idx
         return None
 

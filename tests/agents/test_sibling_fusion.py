@@ -82,3 +82,34 @@ def test_a_softmax_region_takes_no_sibling_reading_another_view_of_its_rows():
     assert soft is not mul
     for a, b in zip(got, fn(q, k)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def new_gelu(x):
+    """L1 88's tanh-GELU: ``0.5 * x`` and ``x ** 3`` both read only the graph input."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def test_ops_reading_the_same_graph_input_are_one_kernel_in_inference():
+    torch.manual_seed(0)
+    x = torch.randn(64, 48)
+    got, regions = _run(new_gelu, x)
+    assert len(regions) == 1, [r.ops for r in regions]
+    assert regions[0].backend == "kernel", regions[0].reason
+    torch.testing.assert_close(got, new_gelu(x), atol=1e-6, rtol=1e-6)
+
+
+def test_roots_of_different_graph_inputs_stay_apart():
+    """``log(p)`` and ``t * 2`` read different inputs: no siblings, two regions, with and
+    without deferred roots (backward graphs)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from stitch_backend.agents.planner import partition
+
+    def f(p, t):
+        return torch.log(p).sum(), (t * 2).amax()
+
+    gm = make_fx(f)(torch.rand(8, 8), torch.rand(8, 8))
+    for defer in (False, True):
+        plan = partition(gm, defer_roots=defer)
+        assert [r.kind for r in plan.regions] == [RegionKind.FUSED] * 2, \
+            [r.ops for r in plan.regions]
