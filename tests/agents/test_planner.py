@@ -147,16 +147,17 @@ def test_regions_that_read_only_inputs_and_only_the_graph_returns_merge():
     """Each training BatchNorm's ``num_batches_tracked + 1`` was a one-element region of
     its own (52 launches in MobileNetV2); such regions of one shape and device merge into
     one region (one kernel): the three counters and ``s * 2`` (0-d, reads an input, only
-    returned). ``(s + 1).exp() + x.mean()`` reads an intermediate and stays apart."""
+    returned). ``(t + 1).exp() + x.mean()`` reads an intermediate and stays apart (``t``,
+    not ``s``: an op reading ``s`` would join ``s * 2`` as its sibling)."""
     convs = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
     norms = torch.nn.ModuleList(torch.nn.BatchNorm2d(4) for _ in range(3))
 
-    def fn(x, s):
+    def fn(x, s, t):
         for conv, norm in zip(convs, norms):
             x = torch.relu(norm(conv(x)))
-        return x, s * 2.0, (s + 1.0).exp() + x.mean()
+        return x, s * 2.0, (t + 1.0).exp() + x.mean()
 
-    (rec,) = _records(fn, torch.randn(2, 4, 6, 6), torch.randn(()))
+    (rec,) = _records(fn, torch.randn(2, 4, 6, 6), torch.randn(()), torch.randn(()))
     check_plan(rec.gm, rec.plan)
     nodes = {n.name: n for n in rec.gm.graph.nodes}
     merged = [r for r in rec.plan.regions if r.kind is RegionKind.FUSED

@@ -40,11 +40,13 @@ def _plan(model, inputs, **options):
 
 
 def test_kl_div_becomes_one_fused_region():
-    # by default only the input-less factories (scalar_tensor) wait for their consumer
-    assert len(_plan(KLDiv(), _kl_inputs()).regions) == 4
-    plan = _plan(KLDiv(), _kl_inputs(), fuse_roots=True)
-    assert [r.kind for r in plan.regions] == [RegionKind.FUSED]
-    assert "aten.isnan.default" in plan.regions[0].ops
+    # by default the roots join as siblings over their shared inputs (and input-less
+    # factories, scalar_tensor, wait for their consumer); with fuse_roots they wait for
+    # their consumer: one region either way (four before sibling fusion took graph inputs)
+    for options in ({}, {"fuse_roots": True}):
+        plan = _plan(KLDiv(), _kl_inputs(), **options)
+        assert [r.kind for r in plan.regions] == [RegionKind.FUSED], [r.ops for r in plan.regions]
+        assert "aten.isnan.default" in plan.regions[0].ops
 
 
 def test_roots_before_a_library_call_or_returned_get_their_own_fused_region():
@@ -130,4 +132,5 @@ def test_auto_fuses_roots_in_backward_graphs_only_and_keeps_eagers_gradients():
         model.zero_grad()
         torch._dynamo.reset()
     assert counts[None]["forward"] == counts[False]["forward"]
-    assert counts[False]["backward"] >= 4 and counts[None]["backward"] == 1, counts
+    # without deferred roots, sibling fusion over shared graph inputs joins some of them
+    assert counts[False]["backward"] >= 3 and counts[None]["backward"] == 1, counts
