@@ -358,7 +358,8 @@ class TemplateCoder:
         found = []
         # the single-pass variance differs only where a norm splits
         passes = (False, True) if targets & set(SPLIT_TARGETS) else (False,)
-        for single_pass, suffix in ((p, f"{tag}split1p" if p else f"{tag}split") for p in passes):
+        for single_pass in passes:
+            suffix = f"{tag}split1p" if single_pass else f"{tag}split"
             alt = self._stats_split(subtask, lead, part, module, single_pass, suffix)
             if alt is not None:
                 found.append(alt)

@@ -51,8 +51,7 @@ from stitch_backend.pooling import POOLING
 from stitch_backend.opclass import POOL_OPS, OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary, feeding
 
-from stitch_backend.agents.siblings import (bases, graph_inputs, may_join, numel as _numel,
-                                           same_numel)
+from stitch_backend.agents.siblings import bases, may_join, numel as _numel, same_numel
 
 log = logging.getLogger("stitch_backend.agents.planner")
 
@@ -164,12 +163,12 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
             return None
         # roots (ops reading only graph inputs) share their graph inputs where they are
         # not deferred to their consumer instead (``siblings`` module docstring)
-        shared = bases if defer_roots else (lambda n: bases(n) | graph_inputs(n))
-        mine = shared(node)
+        inputs = not defer_roots
+        mine = bases(node, inputs)
         for idx in range(len(regions) - 1, max(producers, default=0) - 1, -1):
             region = regions[idx]
             if region.kind is RegionKind.FUSED and may_join(node, region) and any(
-                    mine & shared(n) for n in region.nodes):
+                    mine & bases(n, inputs) for n in region.nodes):
                 return idx
         return None
 

@@ -3,7 +3,7 @@ region may still join a fused region that reads what it reads (``may_join``), so
 kernel reads the shared value once and one launch goes where there were two.
 
 What is shared is a value computed in the graph (``bases``) or, where the Planner does
-not defer roots (inference graphs by default), a graph input (``graph_inputs``): L1 88's
+not defer roots (inference graphs by default), a graph input (``bases(inputs=True)``): L1 88's
 tanh-GELU, ``0.5 * x * (1 + tanh(c * (x + 0.044715 * x ** 3)))``, opened a region for
 ``0.5 * x`` and another for the rest, two kernels reading x (0.179 + 0.265 ms on the
 H100, where one pass over x and the output takes about 0.18)."""
@@ -31,27 +31,16 @@ def same_numel(a, b) -> bool:
         return str(a) == str(b)
 
 
-def bases(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The values computed in the graph that ``node`` reads, looking through views."""
+def bases(node: torch.fx.Node, inputs: bool = False) -> set[torch.fx.Node]:
+    """The values computed in the graph that ``node`` reads, looking through views; with
+    ``inputs``, the graph inputs (placeholders) it reads too."""
     out, stack = set(), list(node.all_input_nodes)
     while stack:
         d = stack.pop()
         if classify(d) is OpClass.VIEW and d.all_input_nodes:
             stack.extend(d.all_input_nodes)
-        elif d.op == "call_function":   # graph inputs: see defer_roots instead
+        elif d.op == "call_function" or (inputs and d.op == "placeholder"):
             out.add(d)
-    return out
-
-
-def graph_inputs(node: torch.fx.Node) -> set[torch.fx.Node]:
-    """The graph inputs (placeholders) that ``node`` reads, looking through views."""
-    out, stack = set(), list(node.all_input_nodes)
-    while stack:
-        d = stack.pop()
-        if d.op == "placeholder":
-            out.add(d)
-        elif classify(d) is OpClass.VIEW:
-            stack.extend(d.all_input_nodes)
     return out
 
 

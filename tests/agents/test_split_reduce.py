@@ -4,6 +4,8 @@ IR interpreter on CPU), and that its kernels compile."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -88,12 +90,15 @@ def test_the_partial_results_give_every_sm_work():
     132 SMs), where the template's kernel has one block for the whole row."""
     ((cand, _, _),) = _alternatives(Frobenius(), (2, 64, 64, 64))
     (split,) = _split(cand)
-    rows = [int(torch.tensor([int(e) for e in k.ir.domain.row_extents]).prod())
-            for k in split.kernels[:2]]
+    rows = [_rows(k) for k in split.kernels[:2]]
     assert rows == [512, 1]
     (template,) = cand.kernels
     assert template.kind == "reduction"
-    assert int(torch.tensor([int(e) for e in template.ir.domain.row_extents]).prod()) == 1
+    assert _rows(template) == 1
+
+
+def _rows(kernel) -> int:
+    return math.prod(int(e) for e in kernel.ir.domain.row_extents)
 
 
 @pytest.mark.parametrize("model,shape", [
