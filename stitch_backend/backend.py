@@ -190,6 +190,7 @@ class StitchBackend:
             isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in x.shape))
             for x in example_inputs)
         # layout first: a pooling of a channels-last value is rewritten along C
+        traced = gm
         gm, layout = self._layout(gm, stage, device, dynamic)
         gm, pools = self._pools(gm, device)
         gm, biases = self._conv_bias(gm, device)
@@ -237,6 +238,8 @@ class StitchBackend:
                                   graph_timing=replay_why is None)
         program.notes_sink = record.notes
         record.program = program
+        if layout is not None and layout.applied and layout.whole_graph and device != "meta":
+            program.judge_against = self._traced_check(traced)
         program.recheck_shapes = dynamic
         program.writebacks = list(writebacks or [])
         if writebacks:
@@ -278,6 +281,21 @@ class StitchBackend:
 
             notes = artifacts.open_store(self.config.cache_dir)
         return layout.to_channels_last(gm, notes, partial=self.config.channels_last is True)
+
+    def _traced_check(self, traced: torch.fx.GraphModule):
+        """The first-call check of a graph whose channels-last rewrite kept TF32
+        convolutions on random draws (``traced_check``), remembering a failure in the
+        cache's precision notes."""
+        from .graph_precision import remember_failure
+        from .traced_check import TracedCheck
+
+        notes = None
+        if self.config.cache:
+            from . import artifacts
+
+            notes = artifacts.open_store(self.config.cache_dir)
+        return TracedCheck(traced, "the channels-last rewrite's TF32 convolutions",
+                           functools.partial(remember_failure, notes, traced))
 
     def _runs_kernels(self, device: str) -> bool:
         """Whether generated kernels run for graphs on ``device`` (CUDA, or the CPU

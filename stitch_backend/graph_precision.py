@@ -16,14 +16,23 @@ convolution channels-last in TF32: the graph as traced, rewritten, and in fp64
 (``correctness.run_fp64``) on the same random inputs (the random draws of each run
 seeded alike), and DESIGN.md's rule (``correctness.compare``) at the graph's outputs
 decides. Where the outputs hold, the rewrite keeps TF32 everywhere; where not, the
-per-convolution verdicts stand. The verdict depends on the graph, the device, the
-versions and cuDNN's flags, not on the user's values, so it runs at compile time and is
-kept as a note in the cache: a warm start runs nothing.
+per-convolution verdicts stand. The verdict is taken on random values, so it runs at
+compile time and is kept as a note in the cache, keyed by the graph, the device, the
+versions and cuDNN's flags: a warm start runs nothing.
 
-Like every check of the Verifier, it is a check on random inputs of the traced sizes:
-standard normal values, as the per-convolution check draws them, except where a
-normalisation reads an input as its running variance: those are drawn in [0.5, 1.5), as
-a variance is never negative. Where even so the fp64 run's outputs are not all finite,
+Like every check of the Verifier, it is a check on random inputs of the traced sizes,
+drawn twice: standard normal values, as the per-convolution check draws them, and
+uniform values in [0, 1), the non-negative inputs of images and of layers after a ReLU
+(KernelBench draws its inputs so); both draws must hold. A normalisation's running
+variance is drawn in [0.5, 1.5) in both, as a variance is never negative. One draw was
+not enough: on an H100 (2026-12-06) KernelBench L2 27 (Conv3d, HardSwish, GroupNorm, a
+mean over the positions) held on standard normal values, ran its convolution in TF32,
+and on the bench's uniform inputs missed the rule by 1000x (norm error 2.2e-4 against
+eager's 2.3e-7): the group norm subtracts a mean that non-negative inputs make large
+against the spread it divides by. The outputs may still depend on the user's values in
+ways no draw shows, so the Program also judges its first call against the graph as
+traced (``Program.judge_against``) and keeps the traced graph where that fails,
+remembering it here (``remember_failure``). Where even so the fp64 run's outputs are not all finite,
 the check judges nothing (a NaN in every run matches itself), and the graph is not held:
 on an H100 (2026-12-05) the zoo's eval-mode residual blocks, their running variances
 drawn standard normal, gave NaN everywhere, passed, and ran TF32 convolutions 1000x
@@ -45,7 +54,7 @@ from .notes import read_note, write_note
 
 log = logging.getLogger("stitch_backend.graph_precision")
 
-NOTE_KIND = "layout-graph-precision-2"   # 2: variances drawn positive, NaN never held
+NOTE_KIND = "layout-graph-precision-3"   # 3: a uniform draw too; 2: variances drawn positive
 # The three runs (one after another) may hold this share of the device's free memory at
 # most: the inputs drawn, a copy for the run and their fp64 copy (4x their bytes), the
 # fp64 run's peak (twice ``memplan.graph_peak``, which counts outputs) and the two fp32
@@ -53,6 +62,8 @@ NOTE_KIND = "layout-graph-precision-2"   # 2: variances drawn positive, NaN neve
 # per-convolution verdicts stand: a check at compile time must not run the user's GPU
 # out of memory.
 MEMORY_SHARE = 0.5
+# The random draws a graph is judged on, one after another; each must hold.
+DRAWS = ("standard normal", "uniform [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -92,21 +103,33 @@ def _judge(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> Gra
             f"about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
         return GraphVerdict(False, f"not judged at the graph's outputs: its three runs would "
                                    f"need {size}", final=False)
+    variances = _variances(traced)
     with unset_fake_temporarily(), torch.no_grad():   # real tensors, not the graph's
-        try:
-            inputs = _draw(metas, _variances(traced))
-            want = _run(traced, inputs)
-            got = _run(rewritten, inputs)
-            ref = _run(traced, inputs, fp64=True)
-        except Exception as err:  # noqa: BLE001 - no verdict: the per-convolution ones stand
-            return GraphVerdict(False, f"the graph could not be run to judge it "
-                                       f"({type(err).__name__}: {err})", final=False)
-        ref = _tensors(ref)
-        if not all(bool(t.isfinite().all()) for t in ref if t.is_floating_point()):
-            return GraphVerdict(False, "not judged at the graph's outputs: on random inputs "
-                                       "its fp64 run gives values that are not finite")
-        cmp = compare(_tensors(got), _tensors(want), ref)
-    return GraphVerdict(cmp.ok_design, cmp.reason)
+        for kind in DRAWS:
+            try:
+                inputs = _draw(metas, variances, kind)
+                want = _run(traced, inputs)
+                got = _run(rewritten, inputs)
+                ref = _run(traced, inputs, fp64=True)
+            except Exception as err:  # noqa: BLE001 - no verdict: the per-convolution ones stand
+                return GraphVerdict(False, f"the graph could not be run to judge it "
+                                           f"({type(err).__name__}: {err})", final=False)
+            ref = _tensors(ref)
+            if not all(bool(t.isfinite().all()) for t in ref if t.is_floating_point()):
+                return GraphVerdict(False, f"not judged at the graph's outputs: on {kind} "
+                                           "random inputs its fp64 run gives values that are "
+                                           "not finite")
+            cmp = compare(_tensors(got), _tensors(want), ref)
+            if not cmp.ok_design:
+                return GraphVerdict(False, f"on {kind} random inputs: {cmp.reason}")
+            inputs = want = got = ref = None
+    return GraphVerdict(True, cmp.reason)
+
+
+def remember_failure(notes: Any, traced: torch.fx.GraphModule, why: str) -> None:
+    """Keep in ``notes`` (a cache Store, or None) that the rewrite of ``traced`` failed
+    the rule on a user's real inputs, so a later compile keeps its traced layout."""
+    write_note(notes, NOTE_KIND, _note_key(traced), {"ok": False, "why": why})
 
 
 def _bytes_needed(gm: torch.fx.GraphModule, metas: list[torch.Tensor]) -> int | None:
@@ -155,10 +178,11 @@ def _variances(gm: torch.fx.GraphModule) -> set[int]:
     return out
 
 
-def _draw(metas: list[torch.Tensor], variances: set[int] = frozenset()) -> list[torch.Tensor]:
-    """Standard normal values with each input's sizes, strides, dtype and device (a
-    generator of their own: the user's random state is not touched), uniform in [0.5,
-    1.5) at the positions ``variances``; integer and bool inputs (BatchNorm's
+def _draw(metas: list[torch.Tensor], variances: set[int] = frozenset(),
+          kind: str = "standard normal") -> list[torch.Tensor]:
+    """Values of ``kind`` (one of ``DRAWS``) with each input's sizes, strides, dtype and
+    device (a generator of their own: the user's random state is not touched), uniform in
+    [0.5, 1.5) at the positions ``variances``; integer and bool inputs (BatchNorm's
     ``num_batches_tracked``) zeros, a valid count and index."""
     gens: dict[str, torch.Generator] = {}
     out = []
@@ -170,6 +194,8 @@ def _draw(metas: list[torch.Tensor], variances: set[int] = frozenset()) -> list[
         gen = gens.setdefault(str(m.device), torch.Generator(m.device).manual_seed(0))
         if i in variances:
             values = torch.rand(m.shape, generator=gen, device=m.device) + 0.5
+        elif kind == "uniform [0, 1)":
+            values = torch.rand(m.shape, generator=gen, device=m.device)
         else:
             values = torch.randn(m.shape, generator=gen, device=m.device)
         out.append(t.copy_(values))
@@ -219,4 +245,4 @@ def _valid(value: Any) -> bool:
             and isinstance(value.get("why"), str))
 
 
-__all__ = ["GraphVerdict", "NOTE_KIND", "cudnn_flags", "outputs_hold"]
+__all__ = ["DRAWS", "GraphVerdict", "NOTE_KIND", "cudnn_flags", "outputs_hold", "remember_failure"]

@@ -77,6 +77,11 @@ class Program:
         # When a list: each call appends the inputs it mutates (the eager guard saves
         # and restores them around its timing runs).
         self.seen_targets: list[torch.Tensor] | None = None
+        # Set where a graph pass changed values beyond rounding (``traced_check``): the
+        # first call is judged against the graph as traced; where it fails, ``as_traced``
+        # runs every later call.
+        self.judge_against: Any = None
+        self.as_traced: Callable[..., Any] | None = None
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
         self._boxed_call = True
@@ -148,6 +153,10 @@ class Program:
 
         if self.seen_targets is not None:
             self.seen_targets.extend(targets())
+        if self.as_traced is not None:
+            return self.finish_call(self.as_traced(*inputs), targets())
+        if self.judge_against is not None:
+            return self.finish_call(self._judged_first_call(inputs), targets())
         if self.pending and self._verify is not None:
             return self.finish_call(self._verify_or_aten(inputs), targets())
         if self.recheck_shapes and self._verify is not None:
@@ -201,6 +210,28 @@ class Program:
         own, values = split_outputs(outputs, self.writebacks)
         self._write_back(targets, values)
         return own
+
+    def _judged_first_call(self, inputs: list[Any]) -> Any:
+        """The first call, judged against the graph as traced (``traced_check``); where it
+        fails, the traced graph's outputs, and every later call runs that graph."""
+        from .traced_check import judged
+
+        check, self.judge_against = self.judge_against, None
+
+        def first() -> Any:
+            if self.pending and self._verify is not None:
+                return self._verify_or_aten(inputs)
+            return self.run_inputs(inputs)
+
+        outputs, why = judged(check, inputs, first)
+        if why is not None:
+            self.as_traced = check.traced
+            self.use_aten(f"{why}: the graph runs as traced")
+            for region in self.plan.regions:
+                region.reason = region.reason or "the graph runs as traced"
+            if self.replay is not None and self.replay.disabled is None:
+                self.replay.disable("the graph runs as traced")
+        return outputs
 
     def _reverify(self, inputs: list[Any], key: tuple) -> Any:
         """A symbolic-shape Program meets a new shape: its installed kernels were verified

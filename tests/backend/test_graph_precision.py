@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from stitch_backend import graph_precision, layout
+from stitch_backend import graph_precision, layout, traced_check
 from stitch_backend.backend import StitchBackend
 from stitch_backend.cache import Store
 
@@ -70,11 +70,9 @@ class ConvGeluPool(nn.Module):
         return F.adaptive_avg_pool2d(F.gelu(self.conv(x)), 1).flatten(1)
 
 
-def test_a_convolution_less_accurate_alone_keeps_tf32_where_the_outputs_hold(monkeypatch):
-    """cuDNN's TF32 NHWC kernel fails the check alone (simulated on the CPU: noise on
-    the channels-last result, even with TF32 off), the pooled output holds the rule:
-    the convolution runs channels-last as plain ``aten.convolution`` (TF32 allowed),
-    and the compiled model keeps eager's values and strides."""
+def _conv_fails_alone(monkeypatch):
+    """Every convolution fails the layout pass's check alone: on the CPU, noise on its
+    channels-last result stands in for cuDNN's TF32 kernel (even with TF32 off)."""
     real = layout.conv_outputs
 
     def noisy(node, exact=False):
@@ -83,6 +81,14 @@ def test_a_convolution_less_accurate_alone_keeps_tf32_where_the_outputs_hold(mon
 
     monkeypatch.setattr(layout, "conv_outputs", noisy)
     monkeypatch.setattr(layout, "tf32_may_apply", lambda node: True)
+
+
+def test_a_convolution_less_accurate_alone_keeps_tf32_where_the_outputs_hold(monkeypatch):
+    """cuDNN's TF32 NHWC kernel fails the check alone (simulated on the CPU: noise on
+    the channels-last result, even with TF32 off), the pooled output holds the rule:
+    the convolution runs channels-last as plain ``aten.convolution`` (TF32 allowed),
+    and the compiled model keeps eager's values and strides."""
+    _conv_fails_alone(monkeypatch)
     torch.manual_seed(0)
     model = ConvGeluPool().eval()
     x = torch.randn(2, 3, 16, 16)
@@ -164,3 +170,152 @@ def test_a_graph_whose_fp64_run_is_not_finite_on_random_inputs_is_not_held():
     traced = _traced(lambda a, b: torch.log(F.conv2d(a, b)), x, w)
     verdict = graph_precision.outputs_hold(traced, traced)
     assert not verdict.ok and "not finite" in verdict.why, verdict.why
+
+
+def test_a_drift_only_non_negative_inputs_show_is_caught_by_the_uniform_draw():
+    """Both draws must hold: a rewrite that agrees with the traced graph on standard
+    normal inputs and drifts where every input is non-negative (as L2 27's TF32
+    convolution did, before a group norm, on KernelBench's uniform inputs) is refused,
+    and the reason names the draw."""
+    x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
+    traced = _traced(_pooled, x, w)
+
+    def drifts_on_non_negative(a, b):
+        flag = ((a >= 0).all() & (b >= 0).all()).to(a.dtype)
+        return _pooled(a, b) * (1 + 1e-3 * flag)
+
+    drifted = _traced(drifts_on_non_negative, x, w)
+    verdict = graph_precision.outputs_hold(traced, drifted)
+    assert not verdict.ok and verdict.final, verdict.why
+    assert verdict.why.startswith("on uniform [0, 1) random inputs:"), verdict.why
+    assert "beyond 0.0001 of eager" in verdict.why
+    assert graph_precision.outputs_hold(traced, traced).ok
+
+
+def _drifting_rewrite(monkeypatch):
+    """The channels-last rewrite made to drift by 1e-3 on every input (a stand-in, on the
+    CPU, for cuDNN's TF32 kernels on inputs the random draws did not show), with its
+    convolution failing alone and the graph's outputs holding on the random draws."""
+    real_rewrite = layout.to_channels_last
+
+    def drifting(gm, notes=None, partial=False):
+        new, result = real_rewrite(gm, notes, partial)
+        if result.applied:
+            for conv in [n for n in new.graph.nodes if n.target is aten.convolution.default]:
+                with new.graph.inserting_after(conv):
+                    scaled = new.graph.call_function(aten.mul.Tensor, (conv, 1.001))
+                scaled.meta = dict(conv.meta)
+                conv.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+            new.recompile()
+        return new, result
+
+    _conv_fails_alone(monkeypatch)
+    monkeypatch.setattr(layout, "to_channels_last", drifting)
+    monkeypatch.setattr(graph_precision, "_judge",
+                        lambda a, b: graph_precision.GraphVerdict(True, "held (simulated)"))
+
+
+def test_a_rewrite_that_fails_on_the_users_inputs_runs_the_graph_as_traced(monkeypatch,
+                                                                            tmp_path):
+    """The graph's outputs held on the random draws, the rewrite kept TF32, and the
+    user's real inputs show it wrong: the first call returns the traced graph's values,
+    every later call runs the traced graph, the record says why, and the cache keeps the
+    failure, so the next compile keeps the traced layout and is not judged again."""
+    _drifting_rewrite(monkeypatch)
+    torch.manual_seed(0)
+    model = ConvGeluPool().eval()
+    x = torch.rand(2, 3, 16, 16)
+    options = {"cpu_interpret": True, "cache": True, "cache_dir": str(tmp_path)}
+    backend = StitchBackend(options=options)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)
+        first = compiled(x)
+        torch.testing.assert_close(first, model(x), atol=1e-6, rtol=1e-6)
+        second = compiled(x * 2)
+        torch.testing.assert_close(second, model(x * 2), atol=1e-6, rtol=1e-6)
+    (rec,) = backend.records
+    assert rec.notes[0].startswith("channels-last: 1 convolution(s) run NHWC (1 less "
+                                   "accurate alone"), rec.notes
+    assert rec.program.as_traced is not None and not rec.program.generated_steps()
+    why = next(n for n in rec.notes if n.startswith("every region on ATen: on the first "
+                                                    "call's inputs"))
+    assert "the channels-last rewrite's TF32 convolutions" in why
+    assert "not correct by the rule against the graph as traced" in why, why
+    assert all(r.backend == "aten" and r.reason for r in rec.plan.regions)
+    stored = list((tmp_path / "notes" / graph_precision.NOTE_KIND).iterdir())
+    assert len(stored) == 1
+
+    torch._dynamo.reset()
+    again = StitchBackend(options=options)
+    with torch.no_grad():
+        got = torch.compile(model, backend=again)(x)
+    torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-5)
+    (rec2,) = again.records
+    assert rec2.notes[0].startswith("channels-last off"), rec2.notes
+    assert "on the first call's inputs" in rec2.notes[0], rec2.notes[0]
+    assert rec2.program.judge_against is None and rec2.program.as_traced is None
+
+
+def test_a_rewrite_that_holds_on_the_users_inputs_keeps_its_program(monkeypatch):
+    """The same check where the rewrite computes the traced values (no drift): the
+    Program keeps its kernels and nothing is remembered."""
+    _conv_fails_alone(monkeypatch)
+    remembered, judged = [], []
+    monkeypatch.setattr(graph_precision, "remember_failure", lambda *a: remembered.append(a))
+    real_judged = traced_check.judged
+
+    def counted(check, inputs, run):
+        out, why = real_judged(check, inputs, run)
+        judged.append(why)
+        return out, why
+
+    monkeypatch.setattr(traced_check, "judged", counted)
+    torch.manual_seed(0)
+    model = ConvGeluPool().eval()
+    x = torch.rand(2, 3, 16, 16)
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    (rec,) = backend.records
+    assert rec.program.judge_against is None and rec.program.as_traced is None
+    assert rec.program.generated_steps() and not remembered and judged == [None]
+
+
+class ConvGroupNormMean(nn.Module):
+    """KernelBench L2 27's shape, smaller: Conv3d, HardSwish, GroupNorm, the mean over the
+    positions. Its outputs are small differences of channel means that non-negative
+    inputs make large: TF32 convolutions miss DESIGN.md's rule there by 1000x."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 16, 4)
+        self.norm = nn.GroupNorm(4, 16)
+
+    def forward(self, x):
+        return self.norm(F.hardswish(self.conv(x))).mean((2, 3, 4))
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_group_norm_of_non_negative_inputs_is_correct_by_the_design_rule():
+    """On the GPU with cuDNN's TF32 allowed, on uniform inputs as KernelBench draws them:
+    the compiled result meets DESIGN.md's rule, on the first call and on a later one
+    (the uniform draw refuses the TF32 rewrite, or the first call's check runs the graph
+    as traced)."""
+    from stitch_backend.correctness import compare
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = ConvGroupNormMean().cuda()
+    backend = StitchBackend(options={"cache": False})
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.rand(64, 3, 16, 32, 32, device="cuda")
+            got, want = compiled(x), model(x)
+            ref = model.double()(x.double())
+            model.float()
+            cmp = compare(got, want, ref)
+            assert cmp.ok_design, (cmp.reason, backend.records[0].notes)
