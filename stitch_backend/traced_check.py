@@ -56,7 +56,18 @@ def judged(check: TracedCheck, inputs: Sequence[Any], run: Callable[[], Any]) ->
     after = _rng_state(fork, cuda)
     _rng_set(before, cuda)
     with torch.no_grad():
-        want = check.traced(*inputs)
+        try:
+            want = check.traced(*inputs)
+        except torch.OutOfMemoryError as err:
+            # both results do not fit at once: the traced graph's alone, unjudged
+            got = None
+            torch.cuda.empty_cache()
+            _rng_set(before, cuda)
+            want = check.traced(*inputs)
+            _rng_set(after, cuda)
+            return want, _failed(check, f"could not be judged (the traced graph's run beside "
+                                        f"the Program's outputs: {type(err).__name__})",
+                                 remember=False)
         cmp = compare(got, want, None)
         if not cmp.ok_design:
             _rng_set(before, cuda)
@@ -71,12 +82,18 @@ def judged(check: TracedCheck, inputs: Sequence[Any], run: Callable[[], Any]) ->
     _rng_set(after, cuda)
     if cmp.ok_design:
         return got, None
-    why = (f"on the first call's inputs, {check.what} gave outputs that are not correct "
-           f"by the rule against the graph as traced ({reason})")
+    return want, _failed(check, f"gave outputs that are not correct by the rule against "
+                                f"the graph as traced ({reason})")
+
+
+def _failed(check: TracedCheck, what: str, remember: bool = True) -> str:
+    """The reason the graph runs as traced from now on (logged, and remembered where the
+    check says how and ``remember``: a check that could not run is not a verdict)."""
+    why = f"on the first call's inputs, {check.what} {what}"
     log.warning("stitchcuda: %s: the graph runs as traced from now on", why)
-    if check.remember is not None:
+    if remember and check.remember is not None:
         check.remember(why)
-    return want, why
+    return why
 
 
 def _rng_state(active: bool, cuda: bool) -> tuple[torch.Tensor, Any] | None:
