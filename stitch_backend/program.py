@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -20,6 +20,9 @@ from . import gc_pause
 from .ir import Plan, Region
 from .mutations import WriteBack, Writeback, split_outputs
 from .regions import region_module
+
+if TYPE_CHECKING:
+    from .traced_check import TracedCheck
 
 log = logging.getLogger("stitch_backend.program")
 
@@ -80,7 +83,7 @@ class Program:
         # Set where a graph pass changed values beyond rounding (``traced_check``): the
         # first call is judged against the graph as traced; where it fails, ``as_traced``
         # runs every later call.
-        self.judge_against: Any = None
+        self.judge_against: TracedCheck | None = None
         self.as_traced: Callable[..., Any] | None = None
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
