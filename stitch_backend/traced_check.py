@@ -44,7 +44,8 @@ class TracedCheck:
     remember: Callable[[str], None] | None = None
 
 
-def judged(check: TracedCheck, inputs: Sequence[Any], run: Callable[[], Any]) -> tuple[Any, str | None]:
+def judged(check: TracedCheck, inputs: Sequence[Any],
+           run: Callable[[], Any]) -> tuple[Any, str | None]:
     """``run()`` (the Program's first call on ``inputs``, which it must not consume), then
     ``check.traced`` on the same inputs and the same random numbers; returns the outputs
     to hand the user and, where the Program's failed the rule, why (the traced graph's
@@ -72,18 +73,17 @@ def judged(check: TracedCheck, inputs: Sequence[Any], run: Callable[[], Any]) ->
         if not cmp.ok_design:
             _rng_set(before, cuda)
             try:
-                ref = run_fp64(check.traced, list(inputs))
+                cmp = compare(got, want, run_fp64(check.traced, list(inputs)))
             except Exception as err:  # noqa: BLE001 - unjudged: the traced graph is safe
-                ref, reason = None, (f"missed 1e-4 of the traced graph and its fp64 run "
-                                     f"failed ({type(err).__name__}: {err})")
-            if ref is not None:
-                cmp = compare(got, want, ref)
-                reason = cmp.reason
+                _rng_set(after, cuda)
+                return want, _failed(check, f"could not be judged (it missed 1e-4 of the "
+                                            f"traced graph, and the fp64 run failed: "
+                                            f"{type(err).__name__}: {err})", remember=False)
     _rng_set(after, cuda)
     if cmp.ok_design:
         return got, None
     return want, _failed(check, f"gave outputs that are not correct by the rule against "
-                                f"the graph as traced ({reason})")
+                                f"the graph as traced ({cmp.reason})")
 
 
 def _failed(check: TracedCheck, what: str, remember: bool = True) -> str:

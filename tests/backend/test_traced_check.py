@@ -76,3 +76,25 @@ def test_both_runs_draw_the_same_numbers_and_the_generator_ends_after_the_progra
     assert why is None and not remembered
     torch.testing.assert_close(out, want, atol=0, rtol=0)
     assert torch.equal(after, torch.get_rng_state())
+
+
+def test_an_fp64_run_that_fails_is_no_verdict_and_the_traced_graph_runs():
+    """The Program misses 1e-4 of the traced graph and the fp64 run that would settle it
+    fails: the traced graph's outputs are returned (correct whatever the verdict would
+    have been), and nothing is remembered."""
+    x = torch.randn(8)
+
+    class Traced(torch.nn.Module):
+        graph = torch.fx.Graph()     # no random ops
+
+        def forward(self, a):
+            if a.dtype == torch.float64:
+                raise RuntimeError("no fp64 here")
+            return a * 3
+
+    remembered: list[str] = []
+    check = TracedCheck(Traced(), "the test's rewrite", remembered.append)
+    out, why = judged(check, [x], lambda: x * 3 * (1 + 1e-3))
+    torch.testing.assert_close(out, x * 3, atol=0, rtol=0)
+    assert "could not be judged" in why and "no fp64 here" in why, why
+    assert not remembered
