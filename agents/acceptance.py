@@ -25,6 +25,7 @@ import torch
 
 from stitch_backend import progress
 from stitch_backend.correctness import compare, flatten_outputs, run_fp64
+from stitch_backend.cudagraphs import RngState
 from stitch_backend.memplan import FLAG_RATIO, within_margin
 from stitch_backend.program import Program, Step
 from stitch_backend.regions import constant_inputs
@@ -47,16 +48,6 @@ log = logging.getLogger("stitch_backend.agents.acceptance")
 # 2.5% and 2.7% slower than eager in the bench (eager interleaved, one run).
 LIBRARY_MARGIN = 0.03
 
-
-class _RngState:
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
 
 
 
@@ -117,11 +108,11 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
                                f"({others[0]})")
             verdicts[step.region.id] = own
 
-    before = _RngState()
+    before = RngState()
     with progress.bar(len(pending), f"verifying {program.plan.graph_name}", "region",
                       enabled=show_progress) as shown:
         reference = program.run_inputs(inputs, observe=observe)
-    after = _RngState()
+    after = RngState()
 
     for rid, verdict in verdicts.items():
         region = program.step_of(rid).region
@@ -217,7 +208,7 @@ def _without_unused(program: Program, got: list[Any], reference: Any) -> list[An
 def _sampler(program: Program, inputs: list[Any]) -> Sampler:
     """Chosen regions' real values (``samples.capture``), the generators put back."""
     def sample(region_ids: Sequence[int]) -> Samples:
-        rng = _RngState()
+        rng = RngState()
         try:
             return capture(program, inputs, region_ids, max_bytes=byte_budget(inputs))
         finally:
@@ -230,7 +221,7 @@ def _hotspots(program: Program, inputs: list[Any]) -> Hotspots | None:
     """The regions' ATen times on ``inputs``, also kept as each region's ``aten_ms``
     (None, with the reason in the graph's notes, where the measurement failed: the
     verification that follows does not depend on it)."""
-    rng = _RngState()
+    rng = RngState()
     try:
         spots = measure_hotspots(program, inputs)
     except Exception as err:  # noqa: BLE001 - a profile is advice, never a failed call

@@ -275,12 +275,8 @@ class StitchBackend:
             why = layout.auto_declines(gm)
             if why is not None:
                 return gm, layout.LayoutResult(False, why)
-        notes = None
-        if self.config.cache:
-            from . import artifacts
-
-            notes = artifacts.open_store(self.config.cache_dir)
-        return layout.to_channels_last(gm, notes, partial=self.config.channels_last is True)
+        return layout.to_channels_last(gm, self._notes(),
+                                       partial=self.config.channels_last is True)
 
     def _traced_check(self, traced: torch.fx.GraphModule):
         """The first-call check of a graph whose channels-last rewrite kept TF32
@@ -289,13 +285,16 @@ class StitchBackend:
         from .graph_precision import remember_failure
         from .traced_check import TracedCheck
 
-        notes = None
-        if self.config.cache:
-            from . import artifacts
-
-            notes = artifacts.open_store(self.config.cache_dir)
         return TracedCheck(traced, "the channels-last rewrite's TF32 convolutions",
-                           functools.partial(remember_failure, notes, traced))
+                           functools.partial(remember_failure, self._notes(), traced))
+
+    def _notes(self):
+        """The cache's Store, where small computed facts are kept (None: cache off)."""
+        if not self.config.cache:
+            return None
+        from . import artifacts
+
+        return artifacts.open_store(self.config.cache_dir)
 
     def _runs_kernels(self, device: str) -> bool:
         """Whether generated kernels run for graphs on ``device`` (CUDA, or the CPU

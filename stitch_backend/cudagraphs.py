@@ -167,6 +167,21 @@ def rng_set(state: list[torch.Tensor] | None) -> None:
         torch.cuda.set_rng_state_all(state)
 
 
+class RngState:
+    """The CPU generator's state and, once CUDA is initialised, the CUDA generators': put
+    back with ``restore`` (the Verifier's re-runs, the first call's check against the
+    graph as traced)."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
 def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``fn()`` captured into a CUDA graph: (the graph, the outputs of the captured call,
     which live in the graph's private pool). ``fn`` runs once on a side stream first, as

@@ -51,11 +51,10 @@ def judged(check: TracedCheck, inputs: Sequence[Any],
     to hand the user and, where the Program's failed the rule, why (the traced graph's
     outputs are then returned)."""
     fork = cudagraphs.draws_random(check.traced)
-    cuda = fork and torch.cuda.is_available()
-    before = _rng_state(fork, cuda)
+    before = cudagraphs.RngState() if fork else None
     got = run()
-    after = _rng_state(fork, cuda)
-    _rng_set(before, cuda)
+    after = cudagraphs.RngState() if fork else None
+    _restore(before)
     with torch.no_grad():
         try:
             want = check.traced(*inputs)
@@ -63,23 +62,23 @@ def judged(check: TracedCheck, inputs: Sequence[Any],
             # both results do not fit at once: the traced graph's alone, unjudged
             got = None
             torch.cuda.empty_cache()
-            _rng_set(before, cuda)
+            _restore(before)
             want = check.traced(*inputs)
-            _rng_set(after, cuda)
+            _restore(after)
             return want, _failed(check, f"could not be judged (the traced graph's run beside "
                                         f"the Program's outputs: {type(err).__name__})",
                                  remember=False)
         cmp = compare(got, want, None)
         if not cmp.ok_design:
-            _rng_set(before, cuda)
+            _restore(before)
             try:
                 cmp = compare(got, want, run_fp64(check.traced, list(inputs)))
             except Exception as err:  # noqa: BLE001 - unjudged: the traced graph is safe
-                _rng_set(after, cuda)
+                _restore(after)
                 return want, _failed(check, f"could not be judged (it missed 1e-4 of the "
                                             f"traced graph, and the fp64 run failed: "
                                             f"{type(err).__name__}: {err})", remember=False)
-    _rng_set(after, cuda)
+    _restore(after)
     if cmp.ok_design:
         return got, None
     return want, _failed(check, f"gave outputs that are not correct by the rule against "
@@ -96,18 +95,9 @@ def _failed(check: TracedCheck, what: str, remember: bool = True) -> str:
     return why
 
 
-def _rng_state(active: bool, cuda: bool) -> tuple[torch.Tensor, Any] | None:
-    if not active:
-        return None
-    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if cuda else None)
-
-
-def _rng_set(state: tuple[torch.Tensor, Any] | None, cuda: bool) -> None:
-    if state is None:
-        return
-    torch.set_rng_state(state[0])
-    if cuda and state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+def _restore(state: cudagraphs.RngState | None) -> None:
+    if state is not None:
+        state.restore()
 
 
 __all__ = ["TracedCheck", "judged"]
