@@ -250,10 +250,14 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
     serial = _serial_k(d, layout, vloads, vstores, persist)
     L.append(f'extern "C" __global__ void __launch_bounds__({max_threads}) {ir.name}(')
     L.append("    " + ",\n    ".join(params) + ") {")
-    # sfk_group_reduce stages one accumulator per thread (up to 1024): sized for the
-    # widest one here, not for the widest of all (16 KB of static shared memory cost
-    # fp32 reductions blocks per SM)
-    L.append(f"  __shared__ __align__(16) unsigned char sfk_smem[{1024 * _smem_width(ir)}];")
+    # sfk_group_reduce stages one accumulator per warp in the inner layout (the last
+    # block's cross-row stage is inner too) and one per thread (up to 1024) in the column
+    # layout: sized for the widest accumulator here, not for the widest of all (16 KB of
+    # static shared memory cost fp32 reductions blocks per SM). A static array counts
+    # against every resident block: 4 KB for each of 16 blocks of 128 threads takes 64 KB
+    # of the SM's L1, where the passes after the first re-read their row.
+    staged_values = 32 if layout == "inner" else 1024
+    L.append(f"  __shared__ __align__(16) unsigned char sfk_smem[{staged_values * _smem_width(ir)}];")
     L += k.symbol_prologue("  ")
     IDX = k.IDX
     rows = " * ".join(f"({k.c_size(e)})" for e in d.row_extents) or "1"

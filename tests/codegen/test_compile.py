@@ -97,9 +97,10 @@ def test_a_channels_last_pooling_over_overlapping_windows_takes_its_rows_channel
 
 
 def test_reduction_shared_memory_fits_its_widest_accumulator():
-    """One staged accumulator per thread (up to 1024): 4 KB for fp32 sums, 16 KB only
-    where an argmax carries (value, index) pairs."""
-    want = {"red_sum_outer_inner_vec": 4096, "red_argmax_argmin": 16384,
+    """The inner layout stages one accumulator per warp (at most 32): 128 bytes for fp32
+    sums, 512 where an argmax carries (value, index) pairs; the column layout one per
+    thread (up to 1024), 4 KB for fp32."""
+    want = {"red_sum_outer_inner_vec": 128, "red_argmax_argmin": 512,
             "red_pool_channels_last_mean": 4096}
     for case in CASES:
         if case.name in want:
