@@ -277,26 +277,37 @@ def _defer_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
     The library writes the product either way; an epilogue kernel would then write a
     second tensor of that size that its consumer reads back. Computed in the consumer
     (a softmax after attention's ``q @ k^T * scale``, a reduction after a Linear's
-    activation), the epilogue costs no pass of its own. An epilogue that opens with an
-    activation cuBLASLt can fuse (relu, tanh-gelu) stays for that alternative; one that
-    the graph returns, or that several regions read, stays too."""
+    activation), the epilogue costs no pass of its own. Where later regions read it too
+    and it reads a second tensor of the product's size (a transformer block's residual
+    sum, read by the next layer norm and by the block's last residual add), it moves
+    into the first reader, which writes it for the others: it is then written once and
+    not read back by that region (Inductor fuses L3 MiniGPT's residual add and layer norm
+    so). A bias or a copy alone stays with the gemm there (cuBLASLt adds a bias in its
+    call). An epilogue that opens with an activation cuBLASLt can fuse (relu, tanh-gelu)
+    stays for that alternative; one that the graph returns stays too."""
     from stitch_backend.lt_ops import activation_epilogue
 
-    def movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open) -> bool:
+    def movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open,
+                shared: bool) -> bool:
         classes = [classify(n) for n in epi]
         compute = [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
         return (target.kind is RegionKind.FUSED and bool(compute)
                 and all(c in (OpClass.POINTWISE, OpClass.VIEW) for c in classes)
-                and activation_epilogue(compute[0]) is None)
+                and activation_epilogue(compute[0]) is None
+                and (not shared or _reads_product_sized(anchor, epi)))
 
-    _move_to_sole_reader(gm, regions, RegionKind.GEMM, OpClass.GEMM, movable, returned_ok=False)
+    _move_to_sole_reader(gm, regions, RegionKind.GEMM, OpClass.GEMM, movable, returned_ok=False,
+                         first_reader=True)
 
 
 def _move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: RegionKind,
-                         anchor_class: OpClass, movable, returned_ok: bool) -> None:
+                         anchor_class: OpClass, movable, returned_ok: bool,
+                         first_reader: bool = False) -> None:
     """For each ``kind`` region with one ``anchor_class`` node: where one later region
     alone reads what follows the anchor (the graph's output aside, with ``returned_ok``)
-    and ``movable(anchor, epilogue, that region)``, the epilogue moves there."""
+    and ``movable(anchor, epilogue, that region)``, the epilogue moves there. With
+    ``first_reader``, where several later regions read it, it moves into the first of
+    them (which then writes it for the others)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
     for i, region in enumerate(regions):
@@ -311,15 +322,24 @@ def _move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: R
         readers = {u for n in epi for u in n.users
                    if u not in members and not (returned_ok and u.op == "output")}
         targets = {owner.get(u, -1) for u in readers}
-        if len(targets) != 1:
+        if not targets or (len(targets) > 1 and not first_reader):
             continue
-        (j,) = targets
-        if j <= i or not movable(anchors[0], epi, regions[j]):
+        j = min(targets)
+        if j <= i or not movable(anchors[0], epi, regions[j], len(targets) > 1):
             continue
         region.nodes = [n for n in region.nodes if n not in members]
         regions[j].nodes += epi
         for n in epi:
             owner[n] = j
+
+
+def _reads_product_sized(anchor: torch.fx.Node, epi: list[torch.fx.Node]) -> bool:
+    """Whether the epilogue ``epi`` of ``anchor`` reads a value of the product's size
+    from outside (a residual), not only the product and smaller values (a bias)."""
+    members, size = set(epi) | {anchor}, _numel(anchor)
+    return any(isinstance(a, torch.fx.Node) and a not in members
+               and same_numel(_numel(a), size)
+               for n in epi if classify(n) is OpClass.POINTWISE for a in n.all_input_nodes)
 
 
 def _transposed_source(a: object) -> torch.fx.Node | None:
@@ -399,7 +419,8 @@ def _defer_norms(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
     of a region). Only a BatchNorm of the convolution's own output, with nothing else
     in the epilogue, moves; the running statistics stay graph outputs."""
 
-    def movable(conv: torch.fx.Node, epi: list[torch.fx.Node], target: _Open) -> bool:
+    def movable(conv: torch.fx.Node, epi: list[torch.fx.Node], target: _Open,
+                shared: bool = False) -> bool:
         bns = [n for n in epi if op_name(n) == _BN_TRAIN]
         if (target.kind is not RegionKind.CONV or len(bns) != 1 or bns[0].args[0] is not conv
                 or len(conv.users) != 1):

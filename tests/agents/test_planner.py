@@ -76,6 +76,57 @@ def test_a_gemm_epilogue_one_fused_region_consumes_moves_into_it():
     assert gemm.ops == ["aten.addmm.default", "aten.relu.default"]
 
 
+class _ResidualNormBlock(torch.nn.Module):
+    """A transformer block's second half: ``x = r + proj(h)``, then ``x + fc(ln(x))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.fc = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.ln = torch.nn.LayerNorm(16)
+
+    def forward(self, h, r):
+        x = r + self.proj(h)
+        return x + self.fc(self.ln(x))
+
+
+def test_a_gemm_epilogue_several_regions_read_moves_into_the_first():
+    """The residual sum after a projection, read by the layer norm and by the last
+    residual add: it moves into the layer norm's region (which writes it for the add),
+    so it is written once and never read back by the layer norm; the projection is a
+    plain library call. The interpreted kernels give eager's values."""
+    torch.manual_seed(0)
+    block = _ResidualNormBlock()
+    h, r = torch.randn(8, 16), torch.randn(8, 16)
+    (rec,) = _records(block, h, r)
+    check_plan(rec.gm, rec.plan)
+    kinds = [(reg.kind, reg.ops) for reg in rec.plan.regions]
+    assert kinds == [(RegionKind.GEMM, ["aten.addmm.default"]),
+                     (RegionKind.FUSED, ["aten.add.Tensor", "aten.native_layer_norm.default"]),
+                     (RegionKind.GEMM, ["aten.addmm.default", "aten.add.Tensor"])], kinds
+    norm = rec.plan.regions[1]
+    assert any(name in rec.plan.regions[2].inputs for name in norm.outputs)
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "cache": False})
+    with torch.no_grad():
+        got = torch.compile(block, backend=backend)(h, r)
+        torch.testing.assert_close(got, block(h, r), atol=1e-5, rtol=1e-5)
+    (rec,) = backend.records
+    assert rec.plan.regions[1].backend == "kernel", rec.plan.regions[1].reason
+
+    # a bias alone (a vector, not a residual) stays with its gemm: cuBLASLt adds it
+    w, b = torch.randn(16, 16), torch.randn(16)
+    ln = torch.nn.LayerNorm(16)
+
+    def biased(h):
+        y = h @ w + b
+        return ln(y) @ w + y
+
+    (rec,) = _records(biased, h)
+    first = rec.plan.regions[0]
+    assert first.kind is RegionKind.GEMM and "aten.add.Tensor" in first.ops, [
+        reg.ops for reg in rec.plan.regions]
+
+
 def test_conv_takes_batchnorm_and_relu():
     conv, bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4).eval()
     (rec,) = _records(lambda x: F.relu(bn(conv(x))), torch.randn(2, 3, 8, 8))
