@@ -284,20 +284,41 @@ def _defer_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
     not read back by that region (Inductor fuses L3 MiniGPT's residual add and layer norm
     so). A bias or a copy alone stays with the gemm there (cuBLASLt adds a bias in its
     call). An epilogue that opens with an activation cuBLASLt can fuse (relu, tanh-gelu)
-    stays for that alternative; one that the graph returns stays too."""
+    stays for that alternative; one that the graph returns stays too.
+
+    A convolution's pointwise epilogue moves into its one fused reader the same way
+    (KernelBench L2 32: the bias and scale before a min over the channels; L2 36 and 38
+    likewise), unless it ends in a layout conversion (its kernel then writes the traced
+    layout, see ``layout``) or holds a copy (a layout change: its consumer would read
+    the convolution's own): cuDNN writes its output either way, and the epilogue kernel
+    wrote and its consumer read back a second tensor of that size (2.1 GB each way for
+    L2 32)."""
     from stitch_backend.lt_ops import activation_epilogue
+
+    def pointwise(epi: list[torch.fx.Node], target: _Open) -> list[torch.fx.Node]:
+        classes = [classify(n) for n in epi]
+        if target.kind is not RegionKind.FUSED or not all(
+                c in (OpClass.POINTWISE, OpClass.VIEW) for c in classes):
+            return []
+        return [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
 
     def movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open,
                 shared: bool) -> bool:
-        classes = [classify(n) for n in epi]
-        compute = [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
-        return (target.kind is RegionKind.FUSED and bool(compute)
-                and all(c in (OpClass.POINTWISE, OpClass.VIEW) for c in classes)
-                and activation_epilogue(compute[0]) is None
+        compute = pointwise(epi, target)
+        return (bool(compute) and activation_epilogue(compute[0]) is None
                 and (not shared or _reads_product_sized(anchor, epi)))
+
+    def conv_movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open,
+                     shared: bool = False) -> bool:
+        # a copy there changes the layout its consumer reads (L3 SwinMLP's transposes)
+        return bool(pointwise(epi, target)) and not any(
+            n.meta.get(LAYOUT_CONVERSION) or n.target is aten.clone.default
+            for n in [*epi, *target.nodes])
 
     _move_to_sole_reader(gm, regions, RegionKind.GEMM, OpClass.GEMM, movable, returned_ok=False,
                          first_reader=True)
+    _move_to_sole_reader(gm, regions, RegionKind.CONV, OpClass.CONV, conv_movable,
+                         returned_ok=False)
 
 
 def _move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: RegionKind,

@@ -127,6 +127,39 @@ def test_a_gemm_epilogue_several_regions_read_moves_into_the_first():
         reg.ops for reg in rec.plan.regions]
 
 
+def test_a_conv_epilogue_one_fused_region_consumes_moves_into_it():
+    """``min(conv(x) * 2, dim=1)`` (KernelBench L2 32's shape): the scale joins the min's
+    region, which reads cuDNN's output, instead of an epilogue kernel that writes a
+    second tensor of its size for the min to read back. One the graph returns stays. The
+    interpreted kernels give eager's values."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3)
+    x = torch.randn(2, 3, 10, 10)
+
+    def scaled_min(x):
+        return torch.min(conv(x) * 2.0, dim=1, keepdim=True)[0]
+
+    (rec,) = _records(scaled_min, x)
+    check_plan(rec.gm, rec.plan)
+    ops = [(reg.kind, reg.ops) for reg in rec.plan.regions]
+    assert ops == [(RegionKind.CONV, ["aten.convolution.default"]),
+                   (RegionKind.FUSED, ["aten.mul.Tensor", "aten.min.dim"])], ops
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "cache": False})
+    with torch.no_grad():
+        got = torch.compile(scaled_min, backend=backend)(x)
+    torch.testing.assert_close(got, scaled_min(x), atol=1e-5, rtol=1e-5)
+    assert backend.records[0].plan.regions[-1].backend == "kernel"
+
+    def returned_too(x):
+        y = conv(x) * 2.0
+        return y, torch.min(y, dim=1)[0]
+
+    (rec,) = _records(returned_too, x)
+    (conv_region,) = [r for r in rec.plan.regions if r.kind is RegionKind.CONV]
+    assert conv_region.ops == ["aten.convolution.default", "aten.mul.Tensor"]
+
+
 def test_conv_takes_batchnorm_and_relu():
     conv, bn = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4).eval()
     (rec,) = _records(lambda x: F.relu(bn(conv(x))), torch.randn(2, 3, 8, 8))
