@@ -1,0 +1,116 @@
+"""Epilogue moves between the Planner's regions: what follows a gemm or a convolution
+moves into the region that reads it, where that saves writing a product-sized tensor and
+reading it back (``defer_epilogues``); ``move_to_sole_reader`` is the mechanism, also used
+by the Planner to move a convolution's BatchNorm into the next convolution's region."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx
+
+from stitch_backend.agents.siblings import numel as _numel, same_numel
+from stitch_backend.ir import RegionKind
+from stitch_backend.layout import CONVERSION as LAYOUT_CONVERSION
+from stitch_backend.opclass import OpClass, classify
+
+if TYPE_CHECKING:
+    from stitch_backend.agents.planner import _Open
+
+aten = torch.ops.aten
+
+
+def defer_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
+    """Move a gemm's pointwise epilogue into the one fused region that consumes it.
+
+    The library writes the product either way; an epilogue kernel would then write a
+    second tensor of that size that its consumer reads back. Computed in the consumer
+    (a softmax after attention's ``q @ k^T * scale``, a reduction after a Linear's
+    activation), the epilogue costs no pass of its own. Where later regions read it too
+    and it reads a second tensor of the product's size (a transformer block's residual
+    sum, read by the next layer norm and by the block's last residual add), it moves
+    into the first reader, which writes it for the others: it is then written once and
+    not read back by that region (Inductor fuses L3 MiniGPT's residual add and layer norm
+    so). A bias or a copy alone stays with the gemm there (cuBLASLt adds a bias in its
+    call). An epilogue that opens with an activation cuBLASLt can fuse (relu, tanh-gelu)
+    stays for that alternative; one that the graph returns stays too.
+
+    A convolution's pointwise epilogue moves into its one fused reader the same way
+    (KernelBench L2 32: the bias and scale before a min over the channels; L2 36 and 38
+    likewise), unless it ends in a layout conversion (its kernel then writes the traced
+    layout, see ``layout``) or holds a copy (a layout change: its consumer would read
+    the convolution's own): cuDNN writes its output either way, and the epilogue kernel
+    wrote and its consumer read back a second tensor of that size (2.1 GB each way for
+    L2 32)."""
+    from stitch_backend.lt_ops import activation_epilogue
+
+    def pointwise(epi: list[torch.fx.Node], target: _Open) -> list[torch.fx.Node]:
+        classes = [classify(n) for n in epi]
+        if target.kind is not RegionKind.FUSED or not all(
+                c in (OpClass.POINTWISE, OpClass.VIEW) for c in classes):
+            return []
+        return [n for n, c in zip(epi, classes) if c is OpClass.POINTWISE]
+
+    def movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open,
+                shared: bool) -> bool:
+        compute = pointwise(epi, target)
+        return (bool(compute) and activation_epilogue(compute[0]) is None
+                and (not shared or _reads_product_sized(anchor, epi)))
+
+    def conv_movable(anchor: torch.fx.Node, epi: list[torch.fx.Node], target: _Open,
+                     shared: bool = False) -> bool:
+        # a copy there changes the layout its consumer reads (L3 SwinMLP's transposes)
+        return bool(pointwise(epi, target)) and not any(
+            n.meta.get(LAYOUT_CONVERSION) or n.target is aten.clone.default
+            for n in [*epi, *target.nodes])
+
+    move_to_sole_reader(gm, regions, RegionKind.GEMM, OpClass.GEMM, movable, returned_ok=False,
+                        first_reader=True)
+    move_to_sole_reader(gm, regions, RegionKind.CONV, OpClass.CONV, conv_movable,
+                        returned_ok=False)
+
+
+def move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: RegionKind,
+                        anchor_class: OpClass, movable, returned_ok: bool,
+                        first_reader: bool = False) -> None:
+    """For each ``kind`` region with one ``anchor_class`` node: where one later region
+    alone reads what follows the anchor (the graph's output aside, with ``returned_ok``)
+    and ``movable(anchor, epilogue, that region)``, the epilogue moves there. With
+    ``first_reader``, where several later regions read it, it moves into the first of
+    them (which then writes it for the others)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
+    for i, region in enumerate(regions):
+        if region.kind is not kind:
+            continue
+        anchors = [n for n in region.nodes if classify(n) is anchor_class]
+        if len(anchors) != 1:
+            continue
+        epi = sorted((n for n in region.nodes if order[n] > order[anchors[0]]),
+                     key=order.__getitem__)
+        members = set(epi)
+        readers = {u for n in epi for u in n.users
+                   if u not in members and not (returned_ok and u.op == "output")}
+        targets = {owner.get(u, -1) for u in readers}
+        if not targets or (len(targets) > 1 and not first_reader):
+            continue
+        j = min(targets)
+        if j <= i or not movable(anchors[0], epi, regions[j], len(targets) > 1):
+            continue
+        region.nodes = [n for n in region.nodes if n not in members]
+        regions[j].nodes += epi
+        for n in epi:
+            owner[n] = j
+
+
+def _reads_product_sized(anchor: torch.fx.Node, epi: list[torch.fx.Node]) -> bool:
+    """Whether the epilogue ``epi`` of ``anchor`` reads a value of the product's size
+    from outside (a residual), not only the product and smaller values (a bias)."""
+    members, size = set(epi) | {anchor}, _numel(anchor)
+    return any(isinstance(a, torch.fx.Node) and a not in members
+               and same_numel(_numel(a), size)
+               for n in epi if classify(n) is OpClass.POINTWISE for a in n.all_input_nodes)
+
+
+__all__ = ["defer_epilogues", "move_to_sole_reader"]
