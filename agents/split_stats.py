@@ -1,5 +1,7 @@
-"""Training BatchNorm over few channels, and layer norm over few rows, split across the
-whole GPU (an alternative candidate the Verifier races against the one-kernel template).
+"""Training BatchNorm over few channels, and layer and group norm over few rows, split
+across the whole GPU (an alternative candidate the Verifier races against the one-kernel
+template); a group norm whose output is only reduced further, split into its statistics
+and a last stage that normalises inside the reduction's kernel.
 
 The template lowers a training BatchNorm to one kernel with a block per channel: with
 64 channels on 132 SMs, half the GPU idles while each block reads its channel three
@@ -31,7 +33,8 @@ from stitch_backend.regions import copy_graph
 aten = torch.ops.aten
 BN_TRAIN = aten._native_batch_norm_legit_functional.default
 LAYER_NORM = aten.native_layer_norm.default
-SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM)   # each planned and rewritten per _SPLITS below
+GROUP_NORM = aten.native_group_norm.default
+SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM, GROUP_NORM)   # each planned and rewritten per _SPLITS
 
 # Split only when the channels leave SMs idle and each partial sum still has work.
 MIN_PARTIAL_LEN = 512
@@ -98,8 +101,8 @@ def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
 
 def split_norms(module: torch.fx.GraphModule, sm_count: int,
                 contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
-    """``module`` (a region module) with its training BatchNorms and layer norms rewritten
-    into two-level sums, or None when the rewrite does not apply to each of them or would
+    """``module`` (a region module) with its training BatchNorms, layer norms and group
+    norms rewritten into two-level sums (``_plan_groups``: or one-level), or None when the rewrite does not apply to each of them or would
     not help. Plain reductions to few rows are rewritten too where they apply
     (``split_reduce``), and left in the last stage where they do not.
 
@@ -385,8 +388,99 @@ def _rewrite_rows(new: torch.fx.GraphModule, ln: torch.fx.Node, plan: _RowPlan,
     b.replace(ln, results)
 
 
+def _plan_groups(gn: torch.fx.Node, sm_count: int, contiguous: bool) -> _RowPlan | None:
+    """The split of group norm ``gn``'s statistics over its N * G rows: in parts where the
+    rows leave SMs idle (as a layer norm's), whole where they do not but the normalised
+    value is only reduced further (``_only_reduced``); None otherwise, where it is not
+    contiguous fp32 of static sizes (fp32 weights), or ``contiguous`` is off."""
+    x, weight, bias, n, c, hxw, group = gn.args[:7]
+    xv = _static_fp32(x, gn.users)
+    if (not contiguous or xv is None or not xv.is_contiguous() or xv.dim() < 2
+            or not all(isinstance(v, int) for v in (n, c, hxw, group))):
+        return None
+    if any(isinstance(t, torch.fx.Node) and t.meta.get("val") is not None
+           and t.meta["val"].dtype != torch.float32 for t in (weight, bias)):
+        return None
+    rows, size = n * group, (c // group) * hxw
+    groups = groups_for(rows, size, sm_count)
+    if groups is None:
+        if size < MIN_PARTIAL_LEN or not _only_reduced(gn):
+            return None
+        groups = 1
+    return _RowPlan(rows, size, groups, (n, group))
+
+
+def _only_reduced(norm: torch.fx.Node) -> bool:
+    """Whether ``norm``'s normalised output is used only through pointwise ops and views
+    that end in reductions, none of them a region output: then the last stage can
+    recompute it from the statistics inside the reduction's kernel instead of one
+    kernel writing it and the next reading it back (KernelBench L2 27: a group norm of
+    716 MB, then its mean over the positions)."""
+    from stitch_backend.opclass import OpClass, classify
+
+    todo = [u for u in norm.users if u.args[1] == 0]
+    seen: set[torch.fx.Node] = set()
+    reduced = False
+    while todo:
+        nd = todo.pop()
+        if nd in seen:
+            continue
+        seen.add(nd)
+        if nd.op != "call_function":
+            return False                      # the output node: stored after all
+        kind = classify(nd)
+        if kind is OpClass.REDUCTION:
+            reduced = True
+            continue
+        if kind not in (OpClass.POINTWISE, OpClass.VIEW):
+            return False
+        todo += list(nd.users)
+    return reduced
+
+
+def _rewrite_groups(new: torch.fx.GraphModule, gn: torch.fx.Node, plan: _RowPlan,
+                    stages: list[list[str]], single_pass: bool) -> None:
+    """Replace group norm ``gn`` in ``new`` by its statistics over ``x.view(N * G, parts,
+    -1)`` (``stages[0..3]``) and its normalisation (``stages[4]``)."""
+    rows, size, groups, (n, group) = plan
+    x, weight, bias, _, c, _, _, eps = gn.args
+    shape = list(x.meta["val"].shape)
+    b = _Builder(new, stages, x)
+    op, x_in = b.op, b.x_in
+
+    def grouped(stage: int) -> torch.fx.Node:
+        return op(stage, aten.view.default, x_in(stage), [rows, groups, size // groups])
+
+    def per_group(stage: int, v: torch.fx.Node) -> torch.fx.Node:
+        return op(stage, aten.view.default, v, [rows, 1, 1])
+
+    def shift(stage: int) -> torch.fx.Node:
+        return op(stage, aten.select.int, op(stage, aten.view.default, x_in(stage),
+                                             [rows, size]), 1, 0)
+
+    def per_channel(v: torch.fx.Node) -> torch.fx.Node:
+        return op(4, aten.view.default, v, [1, c] + [1] * (len(shape) - 2))
+
+    with new.graph.inserting_before(gn):
+        mean, var = b.moments(grouped, per_group, shift, [2], [1], float(size), single_pass)
+        rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
+        xg = op(4, aten.view.default, x, [n, group, size])
+        y = op(4, aten.mul.Tensor, op(4, aten.sub.Tensor, xg, op(4, aten.view.default, mean,
+                                                                 [n, group, 1])),
+               op(4, aten.view.default, rstd, [n, group, 1]))
+        y = op(4, aten.view.default, y, shape)
+        if weight is not None:
+            y = op(4, aten.mul.Tensor, y, per_channel(weight))
+        if bias is not None:
+            y = op(4, aten.add.Tensor, y, per_channel(bias))
+        results = [y, op(3, aten.view.default, mean, [n, group]),
+                   op(3, aten.view.default, rstd, [n, group])]
+    b.replace(gn, results)
+
+
 # target -> (its plan, its rewrite)
-_SPLITS = {BN_TRAIN: (_plan, _rewrite), LAYER_NORM: (_plan_rows, _rewrite_rows)}
+_SPLITS = {BN_TRAIN: (_plan, _rewrite), LAYER_NORM: (_plan_rows, _rewrite_rows),
+           GROUP_NORM: (_plan_groups, _rewrite_groups)}
 
 
 # BatchNorm's input may be computed in the region by at most this many pointwise/view ops

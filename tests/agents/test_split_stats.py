@@ -398,3 +398,91 @@ def test_channels_last_splits_verify_on_the_gpu(make, shape):
     verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
                 for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
     assert verified and all(verified.values()), verified
+
+
+class Conv3dGroupNormMean(nn.Module):
+    """KernelBench L2 27's shape, smaller: conv, hardswish, group norm, mean over the
+    positions (``reduce``) or the group norm returned (``reduce=False``)."""
+
+    def __init__(self, c=8, groups=4, reduce=True):
+        super().__init__()
+        self.conv = nn.Conv3d(3, c, 3)
+        self.gn = nn.GroupNorm(groups, c)
+        self.reduce = reduce
+
+    def forward(self, x):
+        x = self.gn(torch.nn.functional.hardswish(self.conv(x)))
+        return x.mean(dim=[2, 3, 4]) if self.reduce else x
+
+
+def _group_norm_region(rec):
+    return next(r for r in rec.plan.regions if "native_group_norm" in " ".join(r.nodes))
+
+
+@pytest.mark.parametrize("batch,groups", [(40, 4), (2, 4)], ids=["rows_enough", "few_rows"])
+def test_group_norm_is_split_and_matches_the_region(batch, groups):
+    """A group norm whose output is only reduced further (160 rows of 512: enough for
+    the SMs, so its statistics are summed whole and the mean's kernel normalises), and
+    one over 8 rows (summed in parts): both alternatives give the region's outputs."""
+    rec = _graph(Conv3dGroupNormMean(groups=groups).train(), torch.randn(batch, 3, 6, 10, 10))
+    region = _group_norm_region(rec)
+    env = _values(rec.gm)
+    alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    names = [a.name for a in alts]
+    assert "k_split" in names and "k_split1p" in names, names
+    inputs = [env[n] for n in region.inputs]
+    want = region_module(rec.gm, region)(*inputs)
+    for alt in (a for a in alts if "split" in a.name):
+        kernels = [s.kernel for s in alt.stages if s.kernel is not None]
+        assert len(kernels) == len(alt.stages), alt.name        # every stage generated
+        got = runner_for(alt, base=InterpretedRunner)(*inputs)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_group_norm_with_rows_enough_and_a_stored_output_gets_no_split():
+    """160 rows fill the SMs, and the normalised value is an output: the one-kernel
+    template writes it anyway, so there is nothing to recompute."""
+    from stitch_backend.agents.split_stats import split_norms
+
+    rec = _graph(Conv3dGroupNormMean(reduce=False).train(), torch.randn(40, 3, 6, 10, 10))
+    module = region_module(rec.gm, _group_norm_region(rec))
+    assert split_norms(module, 132) is None
+    rec = _graph(Conv3dGroupNormMean().train(), torch.randn(40, 3, 6, 10, 10))
+    module = region_module(rec.gm, _group_norm_region(rec))
+    assert split_norms(module, 132) is not None
+    assert split_norms(module, 132, contiguous=False) is None   # the option off
+
+
+def test_pipeline_with_a_split_group_norm_gives_eager_results():
+    torch.manual_seed(0)
+    model = Conv3dGroupNormMean().train()
+    backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
+                                     "cache": False, "channels_last": False})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(40, 3, 6, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    verified = [a for t in backend.trajectories for a in t.attempts
+                if a.action == "verify" and "_split" in a.candidate.name]
+    assert verified and all(a.verdict.ok for a in verified), [a.verdict for a in verified]
+
+
+@pytest.mark.gpu
+def test_group_norm_split_verifies_on_the_gpu():
+    """Both split alternatives of a group norm feeding a mean pass the Verifier on the
+    GPU, and the compiled model gives eager's result."""
+    torch.manual_seed(0)
+    model = Conv3dGroupNormMean(c=16).cuda().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cache": False, "require_speedup": False,
+                                     "channels_last": False})
+    x = torch.rand(256, 3, 10, 18, 18, device="cuda")
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-4)
+    verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
+                for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
+    assert len(verified) >= 2 and all(verified.values()), verified
