@@ -285,6 +285,24 @@ class _Builder:
         var = op(3, aten.div.Tensor, op(3, aten.sum.dim_IntList, parts2, total_dims), count)
         return mean, var
 
+    def row_moments(self, rows: int, groups: int, size: int, single_pass: bool):
+        """``moments`` of the input as ``rows`` rows of ``size`` (a layer or group norm's),
+        each summed in ``groups`` parts of ``x.view(rows, groups, -1)``; the single pass
+        shifts each row by its first element."""
+        op, x_in = self.op, self.x_in
+
+        def grouped(stage: int) -> torch.fx.Node:
+            return op(stage, aten.view.default, x_in(stage), [rows, groups, size // groups])
+
+        def per_group(stage: int, v: torch.fx.Node) -> torch.fx.Node:
+            return op(stage, aten.view.default, v, [rows, 1, 1])
+
+        def shift(stage: int) -> torch.fx.Node:
+            return op(stage, aten.select.int, op(stage, aten.view.default, x_in(stage),
+                                                 [rows, size]), 1, 0)
+
+        return self.moments(grouped, per_group, shift, [2], [1], float(size), single_pass)
+
     def replace(self, norm: torch.fx.Node, results: list[torch.fx.Node]) -> None:
         """Point each ``getitem`` of ``norm`` at its result; drop ``norm``."""
         for user in list(norm.users):
@@ -359,24 +377,13 @@ def _rewrite_rows(new: torch.fx.GraphModule, ln: torch.fx.Node, plan: _RowPlan,
     rows, size, groups, stat_shape = plan
     x, _, weight, bias, eps = ln.args
     b = _Builder(new, stages, x)
-    op, x_in = b.op, b.x_in
-
-    def grouped(stage: int) -> torch.fx.Node:
-        return op(stage, aten.view.default, x_in(stage), [rows, groups, size // groups])
-
-    def per_group(stage: int, v: torch.fx.Node) -> torch.fx.Node:
-        return op(stage, aten.view.default, v, [rows, 1, 1])
-
-    def shift(stage: int) -> torch.fx.Node:
-        """Each row's first element."""
-        return op(stage, aten.select.int, op(stage, aten.view.default, x_in(stage),
-                                             [rows, size]), 1, 0)
+    op = b.op
 
     def per_row(stage: int, v: torch.fx.Node) -> torch.fx.Node:
         return op(stage, aten.view.default, v, list(stat_shape))
 
     with new.graph.inserting_before(ln):
-        mean, var = b.moments(grouped, per_group, shift, [2], [1], float(size), single_pass)
+        mean, var = b.row_moments(rows, groups, size, single_pass)
         rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
         y = op(4, aten.mul.Tensor, op(4, aten.sub.Tensor, x, per_row(4, mean)),
                per_row(4, rstd))
@@ -446,23 +453,13 @@ def _rewrite_groups(new: torch.fx.GraphModule, gn: torch.fx.Node, plan: _RowPlan
     x, weight, bias, _, c, _, _, eps = gn.args
     shape = list(x.meta["val"].shape)
     b = _Builder(new, stages, x)
-    op, x_in = b.op, b.x_in
-
-    def grouped(stage: int) -> torch.fx.Node:
-        return op(stage, aten.view.default, x_in(stage), [rows, groups, size // groups])
-
-    def per_group(stage: int, v: torch.fx.Node) -> torch.fx.Node:
-        return op(stage, aten.view.default, v, [rows, 1, 1])
-
-    def shift(stage: int) -> torch.fx.Node:
-        return op(stage, aten.select.int, op(stage, aten.view.default, x_in(stage),
-                                             [rows, size]), 1, 0)
+    op = b.op
 
     def per_channel(v: torch.fx.Node) -> torch.fx.Node:
         return op(4, aten.view.default, v, [1, c] + [1] * (len(shape) - 2))
 
     with new.graph.inserting_before(gn):
-        mean, var = b.moments(grouped, per_group, shift, [2], [1], float(size), single_pass)
+        mean, var = b.row_moments(rows, groups, size, single_pass)
         rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
         xg = op(4, aten.view.default, x, [n, group, size])
         y = op(4, aten.mul.Tensor, op(4, aten.sub.Tensor, xg, op(4, aten.view.default, mean,

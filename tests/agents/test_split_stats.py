@@ -98,6 +98,12 @@ def _graph(model, x, channels_last=False):
     return rec
 
 
+def _split_verdicts(backend) -> dict[str, bool]:
+    """Each verified split alternative's name and whether it passed."""
+    return {a.candidate.name: a.verdict.ok for t in backend.trajectories for a in t.attempts
+            if a.action == "verify" and "_split" in a.candidate.name}
+
+
 def _values(gm):
     """Every node's value on random placeholder values (positive variances)."""
     gen = torch.Generator().manual_seed(0)
@@ -343,9 +349,8 @@ def test_pipeline_with_a_split_layer_norm_gives_eager_results():
     x = torch.randn(2, 8, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
-    verified = [a for t in backend.trajectories for a in t.attempts
-                if a.action == "verify" and "_split" in a.candidate.name]
-    assert verified and all(a.verdict.ok for a in verified), [a.verdict for a in verified]
+    verified = _split_verdicts(backend)
+    assert verified and all(verified.values()), verified
 
 
 @pytest.mark.nvcc
@@ -373,8 +378,7 @@ def test_layer_norm_split_verifies_on_the_gpu():
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(x)
         torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
-    verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
-                for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
+    verified = _split_verdicts(backend)
     assert len(verified) == 2 and all(verified.values()), verified
 
 
@@ -395,8 +399,7 @@ def test_channels_last_splits_verify_on_the_gpu(make, shape):
     with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
         got = torch.compile(model, backend=backend)(x)
         torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-4)
-    verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
-                for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
+    verified = _split_verdicts(backend)
     assert verified and all(verified.values()), verified
 
 
@@ -465,9 +468,8 @@ def test_pipeline_with_a_split_group_norm_gives_eager_results():
     x = torch.randn(40, 3, 6, 10, 10)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
-    verified = [a for t in backend.trajectories for a in t.attempts
-                if a.action == "verify" and "_split" in a.candidate.name]
-    assert verified and all(a.verdict.ok for a in verified), [a.verdict for a in verified]
+    verified = _split_verdicts(backend)
+    assert verified and all(verified.values()), verified
 
 
 @pytest.mark.gpu
@@ -483,6 +485,5 @@ def test_group_norm_split_verifies_on_the_gpu():
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(x)
         torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-4)
-    verified = {a.candidate.name: a.verdict.ok for t in backend.trajectories
-                for a in t.attempts if a.action == "verify" and "_split" in a.candidate.name}
+    verified = _split_verdicts(backend)
     assert len(verified) >= 2 and all(verified.values()), verified
