@@ -5,6 +5,7 @@ fields and launch plans are what the launcher expects."""
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
 from torch._decomp import core_aten_decompositions
@@ -102,6 +103,35 @@ def test_simplifier_drops_the_digits_a_division_by_a_whole_stride_ignores():
     # the digits below the factor must be provably smaller than it: w alone may be 5 > 3
     wide = ix.Simplifier({c: (0, 31), w: (0, 5)})
     assert "FDiv(3*" in str(wide.simplify(ix.FDiv(3 * c + w, 6)))
+
+
+def test_simplifier_puts_back_three_digits_of_a_flattened_volume():
+    """A (13, 29, 29) volume flattened to one index i and read through its digits:
+    ``841*(i // 841) + 29*((i // 29) % 29) + i % 29`` is i. Before, the first pair was
+    not recognised (its division by 29*29 is written FDiv(i, 841), not a nested FDiv),
+    so KernelBench L2 27's group norm paid three divisions an element and no vector
+    loads."""
+    i = ix.loop_var(0)
+    simp = ix.Simplifier({i: (sympy.Integer(0), sympy.Integer(13 * 29 * 29 - 1))})
+    digits = 841 * ix.FDiv(i, 841) + 29 * ix.IMod(ix.FDiv(i, 29), 29) + ix.IMod(i, 29)
+    assert simp.simplify(digits) == i
+    assert simp.simplify(digits + 10933 * ix.loop_var(1)) == i + 10933 * ix.loop_var(1)
+    # without the whole stride of the last digit it stays as it is
+    part = 29 * ix.IMod(ix.FDiv(i, 29), 29) + ix.IMod(i, 29)
+    assert simp.simplify(part) == sympy.expand(part)
+
+
+def test_a_softmax_over_a_flattened_volume_reads_vectors():
+    """Softmax over the positions of a (2, 4, 3, 5, 8) value viewed (2, 4, 120) (L2 38's
+    region): the row is contiguous, so it is read in 16-byte vectors without a
+    division by the view's sizes."""
+    k = generate(_trace(lambda a: torch.softmax(a.clamp(0, 1).view(2, 4, -1), -1) * 2.0,
+                        torch.randn(2, 4, 3, 5, 8)), "vol_softmax")
+    assert "vector path" in k.source.splitlines()[0], k.source.splitlines()[0]
+    assert "/ 5)" not in k.source and "/ 40)" not in k.source, k.source
+    x = torch.randn(2, 4, 3, 5, 8)
+    torch.testing.assert_close(k.interpret([x])[0],
+                               torch.softmax(x.clamp(0, 1).view(2, 4, -1), -1) * 2.0)
 
 
 def test_an_instance_norm_viewed_back_is_one_kernel_with_its_divide():
