@@ -102,7 +102,8 @@ def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
 def split_norms(module: torch.fx.GraphModule, sm_count: int,
                 contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
     """``module`` (a region module) with its training BatchNorms, layer norms and group
-    norms rewritten into two-level sums (``_plan_groups``: or one-level), or None when the rewrite does not apply to each of them or would
+    norms rewritten into two-level sums (a group norm's may be one-level:
+    ``_plan_groups``), or None when the rewrite does not apply to each of them or would
     not help. Plain reductions to few rows are rewritten too where they apply
     (``split_reduce``), and left in the last stage where they do not.
 
