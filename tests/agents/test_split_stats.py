@@ -104,6 +104,18 @@ def _split_verdicts(backend) -> dict[str, bool]:
             if a.action == "verify" and "_split" in a.candidate.name}
 
 
+def _assert_compile_for_sm90a(alts) -> None:
+    """Every candidate in ``alts`` (all its stages' kernels) compiles to a cubin."""
+    from stitch_backend.toolchain import CompileJob, compile_many, csrc_dir
+
+    results = compile_many([CompileJob(source=alt.source, name=alt.name, arch="sm_90a",
+                                       include_dirs=(csrc_dir(),)) for alt in alts])
+    assert len(results) == len(alts)
+    for result in results:
+        assert not isinstance(result, Exception), result
+        assert result.cubin[:4] == b"\x7fELF"
+
+
 def _values(gm):
     """Every node's value on random placeholder values (positive variances)."""
     gen = torch.Generator().manual_seed(0)
@@ -247,17 +259,11 @@ def test_pipeline_with_split_stats_gives_eager_results():
 
 @pytest.mark.nvcc
 def test_split_candidate_compiles_for_sm90a():
-    from stitch_backend.toolchain import CompileJob, compile_many, csrc_dir
-
     rec = _graph(ConvBN().train(), torch.randn(2, 3, 64, 64))
     region = next(r for r in rec.plan.regions if r.kind.value == "conv")
     alts = TemplateCoder(split_stats=True).propose(subtask_for(rec.gm, region, "k")).alternatives
     assert len(alts) == 2
-    results = compile_many([CompileJob(source=alt.source, name=alt.name, arch="sm_90a",
-                                       include_dirs=(csrc_dir(),)) for alt in alts])
-    for result in results:
-        assert not isinstance(result, Exception), result
-        assert result.cubin[:4] == b"\x7fELF"
+    _assert_compile_for_sm90a(alts)
 
 
 def test_an_alternative_that_does_not_compile_is_reported(monkeypatch):
@@ -355,16 +361,9 @@ def test_pipeline_with_a_split_layer_norm_gives_eager_results():
 
 @pytest.mark.nvcc
 def test_layer_norm_split_compiles_for_sm90a():
-    from stitch_backend.toolchain import CompileJob, compile_many, csrc_dir
-
     rec = _graph(FewRowsLayerNorm().train(), torch.randn(2, 8, 32, 32))
     alts = TemplateCoder().propose(subtask_for(rec.gm, _layer_norm_region(rec), "k")).alternatives
-    results = compile_many([CompileJob(source=alt.source, name=alt.name, arch="sm_90a",
-                                       include_dirs=(csrc_dir(),)) for alt in alts])
-    assert len(results) == 2
-    for result in results:
-        assert not isinstance(result, Exception), result
-        assert result.cubin[:4] == b"\x7fELF"
+    _assert_compile_for_sm90a(alts)
 
 
 @pytest.mark.gpu
@@ -470,6 +469,17 @@ def test_pipeline_with_a_split_group_norm_gives_eager_results():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     verified = _split_verdicts(backend)
     assert verified and all(verified.values()), verified
+
+
+@pytest.mark.nvcc
+def test_group_norm_split_compiles_for_sm90a():
+    """Every kernel of both group-norm split alternatives (statistics stages and the
+    mean's normalising stage) compiles for the H200."""
+    rec = _graph(Conv3dGroupNormMean().train(), torch.randn(40, 3, 6, 10, 10))
+    alts = [a for a in TemplateCoder().propose(
+        subtask_for(rec.gm, _group_norm_region(rec), "k")).alternatives if "split" in a.name]
+    assert len(alts) == 2
+    _assert_compile_for_sm90a(alts)
 
 
 @pytest.mark.gpu
