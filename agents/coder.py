@@ -343,10 +343,10 @@ class TemplateCoder:
     def _stats_splits(self, subtask: Subtask, lead: list[Stage], part: Region,
                       tag: str = "") -> list[Candidate]:
         """The split-statistics alternatives (two-pass and single-pass variance) of a region
-        whose (epilogue) part is a training BatchNorm over few channels, a layer or
-        group norm over few rows, a group norm only reduced further, or reduces to few rows (``split_reduce``: one alternative); none
-        where that does not apply or generate. ``tag`` prefixes their
-        names (another lead stage)."""
+        whose (epilogue) part is a training BatchNorm over few channels; a layer, group or
+        instance norm over few rows; a group or instance norm only reduced further; or
+        that reduces to few rows (``split_reduce``: one alternative). None where that does
+        not apply or generate. ``tag`` prefixes their names (another lead stage)."""
         from .split_reduce import REDUCE_TARGETS
         from .split_stats import SPLIT_TARGETS
 

@@ -1,7 +1,7 @@
-"""Training BatchNorm over few channels, and layer and group norm over few rows, split
-across the whole GPU (an alternative candidate the Verifier races against the one-kernel
-template); a group norm whose output is only reduced further, split into its statistics
-and a last stage that normalises inside the reduction's kernel.
+"""Training BatchNorm over few channels, and layer, group and instance norm over few
+rows, split across the whole GPU (an alternative candidate the Verifier races against the
+one-kernel template); a group or instance norm whose output is only reduced further,
+split into its statistics and a last stage that normalises inside the reduction's kernel.
 
 The template lowers a training BatchNorm to one kernel with a block per channel: with
 64 channels on 132 SMs, half the GPU idles while each block reads its channel three
@@ -34,7 +34,9 @@ aten = torch.ops.aten
 BN_TRAIN = aten._native_batch_norm_legit_functional.default
 LAYER_NORM = aten.native_layer_norm.default
 GROUP_NORM = aten.native_group_norm.default
-SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM, GROUP_NORM)   # each planned and rewritten per _SPLITS
+INSTANCE_NORM = aten._native_batch_norm_legit.no_stats   # over a (1, N*C, ...) view
+# each planned and rewritten per _SPLITS
+SPLIT_TARGETS = (BN_TRAIN, LAYER_NORM, GROUP_NORM, INSTANCE_NORM)
 
 # Split only when the channels leave SMs idle and each partial sum still has work.
 MIN_PARTIAL_LEN = 512
@@ -101,10 +103,10 @@ def groups_for_columns(channels: int, rows: int, sm_count: int) -> int | None:
 
 def split_norms(module: torch.fx.GraphModule, sm_count: int,
                 contiguous: bool = True, single_pass: bool = False) -> StatsSplit | None:
-    """``module`` (a region module) with its training BatchNorms, layer norms and group
-    norms rewritten into two-level sums (a group norm's may be one-level:
-    ``_plan_groups``), or None when the rewrite does not apply to each of them or would
-    not help. Plain reductions to few rows are rewritten too where they apply
+    """``module`` (a region module) with its training BatchNorms, layer norms, group
+    norms and instance norms rewritten into two-level sums (a group or instance norm's
+    may be one-level: ``_plan_row_norm``), or None when the rewrite does not apply to
+    each of them or would not help. Plain reductions to few rows are rewritten too where they apply
     (``split_reduce``), and left in the last stage where they do not.
 
     A channels-last input (the layout pass's convolutions) is always split when its
@@ -397,25 +399,49 @@ def _rewrite_rows(new: torch.fx.GraphModule, ln: torch.fx.Node, plan: _RowPlan,
 
 
 def _plan_groups(gn: torch.fx.Node, sm_count: int, contiguous: bool) -> _RowPlan | None:
-    """The split of group norm ``gn``'s statistics over its N * G rows: in parts where the
-    rows leave SMs idle (as a layer norm's), whole where they do not but the normalised
-    value is only reduced further (``_only_reduced``); None otherwise, where it is not
-    contiguous fp32 of static sizes (fp32 weights), or ``contiguous`` is off."""
+    """The split of group norm ``gn``'s statistics over its N * G rows (``_plan_row_norm``);
+    None where its sizes are symbolic or a weight is not fp32."""
     x, weight, bias, n, c, hxw, group = gn.args[:7]
-    xv = _static_fp32(x, gn.users)
-    if (not contiguous or xv is None or not xv.is_contiguous() or xv.dim() < 2
-            or not all(isinstance(v, int) for v in (n, c, hxw, group))):
+    if not all(isinstance(v, int) for v in (n, c, hxw, group)):
         return None
     if any(isinstance(t, torch.fx.Node) and t.meta.get("val") is not None
            and t.meta["val"].dtype != torch.float32 for t in (weight, bias)):
         return None
-    rows, size = n * group, (c // group) * hxw
+    return _plan_row_norm(gn, x, n * group, (c // group) * hxw, (n, group), sm_count,
+                          contiguous)
+
+
+def _plan_instance(bn: torch.fx.Node, sm_count: int, contiguous: bool) -> _RowPlan | None:
+    """The split of an instance norm's statistics: training BatchNorm without running
+    statistics or affine parameters over a (1, R, ...) value, one row per channel R
+    (``_plan_row_norm``); None otherwise."""
+    x, weight, bias, training = bn.args[:4]
+    xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if (not training or weight is not None or bias is not None
+            or not isinstance(xv, torch.Tensor) or xv.dim() < 3
+            or any(isinstance(s, torch.SymInt) for s in xv.shape) or xv.shape[0] != 1):
+        return None
+    rows = int(xv.shape[1])
+    return _plan_row_norm(bn, x, rows, math.prod(int(s) for s in xv.shape[2:]), (rows,),
+                          sm_count, contiguous)
+
+
+def _plan_row_norm(norm: torch.fx.Node, x, rows: int, size: int, stat_shape: tuple,
+                   sm_count: int, contiguous: bool) -> _RowPlan | None:
+    """The split of a norm over ``rows`` contiguous rows of ``size`` elements of ``x`` (a
+    group norm's N * G groups, an instance norm's channels): in parts where the rows
+    leave SMs idle (as a layer norm's), whole where they do not but the normalised value
+    is only reduced further (``_only_reduced``); None otherwise, where ``x`` is not
+    contiguous fp32 of static sizes, or ``contiguous`` is off."""
+    xv = _static_fp32(x, norm.users)
+    if not contiguous or xv is None or not xv.is_contiguous() or xv.dim() < 2:
+        return None
     groups = groups_for(rows, size, sm_count)
     if groups is None:
-        if size < MIN_PARTIAL_LEN or not _only_reduced(gn):
+        if size < MIN_PARTIAL_LEN or not _only_reduced(norm):
             return None
         groups = 1
-    return _RowPlan(rows, size, groups, (n, group))
+    return _RowPlan(rows, size, groups, stat_shape)
 
 
 def _only_reduced(norm: torch.fx.Node) -> bool:
@@ -446,12 +472,17 @@ def _only_reduced(norm: torch.fx.Node) -> bool:
     return reduced
 
 
-def _rewrite_groups(new: torch.fx.GraphModule, gn: torch.fx.Node, plan: _RowPlan,
-                    stages: list[list[str]], single_pass: bool) -> None:
-    """Replace group norm ``gn`` in ``new`` by its statistics over ``x.view(N * G, parts,
-    -1)`` (``stages[0..3]``) and its normalisation (``stages[4]``)."""
-    rows, size, groups, (n, group) = plan
-    x, weight, bias, _, c, _, _, eps = gn.args
+def _rewrite_row_norm(new: torch.fx.GraphModule, norm: torch.fx.Node, plan: _RowPlan,
+                      stages: list[list[str]], single_pass: bool) -> None:
+    """Replace group norm or instance norm ``norm`` in ``new`` by its statistics over
+    ``x.view(rows, parts, -1)`` (``stages[0..3]``) and its normalisation (``stages[4]``),
+    a group norm's affine map per channel included; its mean and 1/std come out in
+    ``plan.stat_shape``, as the op gives them."""
+    rows, size, groups, stat_shape = plan
+    if norm.target is GROUP_NORM:
+        x, weight, bias, _, c, _, _, eps = norm.args
+    else:
+        x, weight, bias, c, eps = norm.args[0], None, None, None, norm.args[5]
     shape = list(x.meta["val"].shape)
     b = _Builder(new, stages, x)
     op = b.op
@@ -459,26 +490,28 @@ def _rewrite_groups(new: torch.fx.GraphModule, gn: torch.fx.Node, plan: _RowPlan
     def per_channel(v: torch.fx.Node) -> torch.fx.Node:
         return op(4, aten.view.default, v, [1, c] + [1] * (len(shape) - 2))
 
-    with new.graph.inserting_before(gn):
+    def per_row(stage: int, v: torch.fx.Node, tail: list[int]) -> torch.fx.Node:
+        return op(stage, aten.view.default, v, list(stat_shape) + tail)
+
+    with new.graph.inserting_before(norm):
         mean, var = b.row_moments(rows, groups, size, single_pass)
         rstd = op(3, aten.rsqrt.default, op(3, aten.add.Tensor, var, eps))
-        xg = op(4, aten.view.default, x, [n, group, size])
-        y = op(4, aten.mul.Tensor, op(4, aten.sub.Tensor, xg, op(4, aten.view.default, mean,
-                                                                 [n, group, 1])),
-               op(4, aten.view.default, rstd, [n, group, 1]))
+        xr = op(4, aten.view.default, x, list(stat_shape) + [size])
+        y = op(4, aten.mul.Tensor, op(4, aten.sub.Tensor, xr, per_row(4, mean, [1])),
+               per_row(4, rstd, [1]))
         y = op(4, aten.view.default, y, shape)
         if weight is not None:
             y = op(4, aten.mul.Tensor, y, per_channel(weight))
         if bias is not None:
             y = op(4, aten.add.Tensor, y, per_channel(bias))
-        results = [y, op(3, aten.view.default, mean, [n, group]),
-                   op(3, aten.view.default, rstd, [n, group])]
-    b.replace(gn, results)
+        results = [y, per_row(3, mean, []), per_row(3, rstd, [])]
+    b.replace(norm, results)
 
 
 # target -> (its plan, its rewrite)
 _SPLITS = {BN_TRAIN: (_plan, _rewrite), LAYER_NORM: (_plan_rows, _rewrite_rows),
-           GROUP_NORM: (_plan_groups, _rewrite_groups)}
+           GROUP_NORM: (_plan_groups, _rewrite_row_norm),
+           INSTANCE_NORM: (_plan_instance, _rewrite_row_norm)}
 
 
 # BatchNorm's input may be computed in the region by at most this many pointwise/view ops

@@ -417,17 +417,42 @@ class Conv3dGroupNormMean(nn.Module):
         return x.mean(dim=[2, 3, 4]) if self.reduce else x
 
 
+class Conv3dInstanceNormMax(nn.Module):
+    """KernelBench L2 79's shape, smaller: conv, scale, instance norm, clamp, scale, max
+    over the channels."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv = nn.Conv3d(3, c, 3)
+        self.scale = nn.Parameter(torch.rand(c, 1, 1, 1) + 0.5)
+        self.norm = nn.InstanceNorm3d(c)
+
+    def forward(self, x):
+        x = self.norm(self.conv(x) * self.scale).clamp(-1.0, 1.0) * self.scale
+        return x.max(dim=1)[0]
+
+
 def _group_norm_region(rec):
-    return next(r for r in rec.plan.regions if "native_group_norm" in " ".join(r.nodes))
+    return _norm_region(rec, "native_group_norm")
 
 
-@pytest.mark.parametrize("batch,groups", [(40, 4), (2, 4)], ids=["rows_enough", "few_rows"])
-def test_group_norm_is_split_and_matches_the_region(batch, groups):
+def _norm_region(rec, op: str):
+    return next(r for r in rec.plan.regions if op in " ".join(r.nodes))
+
+
+@pytest.mark.parametrize("make,shape,op", [
+    (lambda: Conv3dGroupNormMean(), (40, 3, 6, 10, 10), "native_group_norm"),
+    (lambda: Conv3dGroupNormMean(reduce=False), (2, 3, 10, 18, 18), "native_group_norm"),
+    (lambda: Conv3dInstanceNormMax(), (20, 3, 10, 10, 18), "_native_batch_norm_legit"),
+], ids=["group_norm_rows_enough", "group_norm_few_rows", "instance_norm_rows_enough"])
+def test_row_norm_is_split_and_matches_the_region(make, shape, op):
     """A group norm whose output is only reduced further (160 rows of 512: enough for
-    the SMs, so its statistics are summed whole and the mean's kernel normalises), and
-    one over 8 rows (summed in parts): both alternatives give the region's outputs."""
-    rec = _graph(Conv3dGroupNormMean(groups=groups).train(), torch.randn(batch, 3, 6, 10, 10))
-    region = _group_norm_region(rec)
+    the SMs, so its statistics are summed whole and the mean's kernel normalises), one
+    over 8 rows of 4096 whose output is stored (summed in parts), and an instance norm
+    of 160 channels of 1024 only reduced further (a max over the channels): both alternatives
+    give the region's outputs, the mean and 1/std included."""
+    rec = _graph(make().train(), torch.randn(shape))
+    region = _norm_region(rec, op)
     env = _values(rec.gm)
     alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
     names = [a.name for a in alts]
@@ -458,13 +483,20 @@ def test_group_norm_with_rows_enough_and_a_stored_output_gets_no_split():
     assert split_norms(module, 132, contiguous=False) is None   # the option off
 
 
-def test_pipeline_with_a_split_group_norm_gives_eager_results():
+# (model, input shape, the norm's node name) of the only-reduced splits, small for CPU
+ONLY_REDUCED = [(lambda: Conv3dGroupNormMean(), (40, 3, 6, 10, 10), "native_group_norm"),
+                (lambda: Conv3dInstanceNormMax(), (20, 3, 10, 10, 18), "_native_batch_norm_legit")]
+ONLY_REDUCED_IDS = ["group_norm_mean", "instance_norm_max"]
+
+
+@pytest.mark.parametrize("make,shape,op", ONLY_REDUCED, ids=ONLY_REDUCED_IDS)
+def test_pipeline_with_a_split_row_norm_gives_eager_results(make, shape, op):
     torch.manual_seed(0)
-    model = Conv3dGroupNormMean().train()
+    model = make().train()
     backend = StitchBackend(options={"cpu_interpret": True, "require_speedup": False,
                                      "cache": False, "channels_last": False})
     compiled = torch.compile(model, backend=backend)
-    x = torch.randn(40, 3, 6, 10, 10)
+    x = torch.randn(shape)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     verified = _split_verdicts(backend)
@@ -472,26 +504,31 @@ def test_pipeline_with_a_split_group_norm_gives_eager_results():
 
 
 @pytest.mark.nvcc
-def test_group_norm_split_compiles_for_sm90a():
-    """Every kernel of both group-norm split alternatives (statistics stages and the
-    mean's normalising stage) compiles for the H200."""
-    rec = _graph(Conv3dGroupNormMean().train(), torch.randn(40, 3, 6, 10, 10))
+@pytest.mark.parametrize("make,shape,op", ONLY_REDUCED, ids=ONLY_REDUCED_IDS)
+def test_row_norm_split_compiles_for_sm90a(make, shape, op):
+    """Every kernel of both split alternatives (statistics stages and the reduction's
+    normalising stage) compiles for the H200."""
+    rec = _graph(make().train(), torch.randn(shape))
     alts = [a for a in TemplateCoder().propose(
-        subtask_for(rec.gm, _group_norm_region(rec), "k")).alternatives if "split" in a.name]
+        subtask_for(rec.gm, _norm_region(rec, op), "k")).alternatives if "split" in a.name]
     assert len(alts) == 2
     _assert_compile_for_sm90a(alts)
 
 
 @pytest.mark.gpu
-def test_group_norm_split_verifies_on_the_gpu():
-    """Both split alternatives of a group norm feeding a mean pass the Verifier on the
-    GPU, and the compiled model gives eager's result."""
+@pytest.mark.parametrize("make,shape", [(lambda: Conv3dGroupNormMean(c=16), (256, 3, 10, 18, 18)),
+                                        (lambda: Conv3dInstanceNormMax(c=16), (64, 3, 10, 18, 18))],
+                         ids=ONLY_REDUCED_IDS)
+def test_row_norm_split_verifies_on_the_gpu(make, shape):
+    """Both split alternatives of a group norm feeding a mean, and of an instance norm
+    feeding a max, pass the Verifier on the GPU, and the compiled model gives eager's
+    result."""
     torch.manual_seed(0)
-    model = Conv3dGroupNormMean(c=16).cuda().train()
+    model = make().cuda().train()
     reference = copy.deepcopy(model)
     backend = StitchBackend(options={"cache": False, "require_speedup": False,
                                      "channels_last": False})
-    x = torch.rand(256, 3, 10, 18, 18, device="cuda")
+    x = torch.rand(shape, device="cuda")
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(x)
         torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-4)
