@@ -62,6 +62,8 @@ class GraphRecord:
     # Which of the backend's Dynamo graphs this ATen graph came from (its forward and
     # backward share it); -1 when compiled outside one.
     dynamo_graph: int = -1
+    # Whether the channels-last rewrite applied (None: the pass was not considered).
+    layout_applied: bool | None = None
 
     @property
     def name(self) -> str:
@@ -180,7 +182,10 @@ class StitchBackend:
 
     def _compile_graph(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
                        writebacks: list[Writeback] | None = None,
-                       dynamo_graph: int = -1) -> Program:
+                       dynamo_graph: int = -1, forced_layout: bool | None = None) -> Any:
+        """The graph's Program (or, with ``layout_race``, a LayoutRace of its Programs in
+        both layouts); ``forced_layout`` overrides the channels-last decision (the race's
+        second Program)."""
         from stitch_backend.agents.planner import partition
 
         t0 = time.perf_counter()
@@ -191,7 +196,7 @@ class StitchBackend:
             for x in example_inputs)
         # layout first: a pooling of a channels-last value is rewritten along C
         traced = gm
-        gm, layout = self._layout(gm, stage, device, dynamic)
+        gm, layout = self._layout(gm, stage, device, dynamic, forced_layout)
         gm, pools = self._pools(gm, device)
         gm, biases = self._conv_bias(gm, device)
         plan = partition(gm, graph_name=f"graph_{index}_{stage}",
@@ -203,6 +208,7 @@ class StitchBackend:
                              aot_mutations=aot_mutated_inputs(), dynamo_graph=dynamo_graph)
         notes = record.notes
         if layout is not None:
+            record.layout_applied = layout.applied
             notes.append(layout.note())
         if pools:
             notes.append(f"{pools} pooling(s) over disjoint windows run as amax/mean "
@@ -250,6 +256,12 @@ class StitchBackend:
         record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
+        if (forced_layout is None and layout is not None and self.config.layout_race
+                and self.config.channels_last is None and device != "meta"):
+            race = self._layout_race(program, record, layout, stage, traced, example_inputs,
+                                     writebacks, dynamo_graph)
+            if race is not None:
+                return race
         counts = plan.counts()
         log.info("%s: %d regions (%s), %d generated, key %s, %.0f ms", record.name,
                  len(plan.regions),
@@ -263,20 +275,53 @@ class StitchBackend:
             return stage == "backward"
         return self.config.fuse_roots
 
-    def _layout(self, gm, stage: str, device: str, dynamic: bool):
+    def _layout(self, gm, stage: str, device: str, dynamic: bool,
+                forced: bool | None = None):
         """``gm`` with its convolutions channels-last where that applies, and what was
-        done (None where the pass is not considered: no convolutions, not CUDA, ...)."""
+        done (None where the pass is not considered: no convolutions, not CUDA, ...).
+        ``forced``: the layout race's other choice (True: the rewrite as
+        ``channels_last=True`` makes it; False: the traced layout)."""
         from . import layout
 
         if (self.config.channels_last is False or stage != "inference"
                 or not self._runs_kernels(device) or dynamic or not layout.convolutions(gm)):
             return gm, None
+        if forced is False:
+            return gm, layout.LayoutResult(False, "layout race: the traced layout")
+        if forced:
+            return layout.to_channels_last(gm, self._notes(), partial=True)
         if self.config.channels_last is None:
             why = layout.auto_declines(gm)
             if why is not None:
                 return gm, layout.LayoutResult(False, why)
         return layout.to_channels_last(gm, self._notes(),
                                        partial=self.config.channels_last is True)
+
+    def _layout_race(self, program: Program, record: GraphRecord, result, stage: str,
+                     traced: torch.fx.GraphModule, example_inputs: list[Any],
+                     writebacks: list[Writeback] | None, dynamo_graph: int):
+        """A LayoutRace of ``program`` against the same graph compiled in the other layout,
+        or None (with a note) where the other layout does not apply."""
+        from . import cudagraphs
+        from .layout_race import LayoutRace
+
+        other = not result.applied
+        second = self._compile_graph(stage, traced, example_inputs, writebacks,
+                                     dynamo_graph=dynamo_graph, forced_layout=other)
+        rec2 = self.records[-1]
+        layout2 = rec2.layout_applied
+        if layout2 != other:
+            self.records.remove(rec2)
+            _ALL_RECORDS.remove(rec2)
+            record.notes.append("layout race: not run, the other layout does not apply "
+                                f"({rec2.notes[0] if rec2.notes else 'no reason given'})")
+            return None
+        names = ["channels-last" if result.applied else "the traced layout",
+                 "channels-last" if other else "the traced layout"]
+        record.notes.append(f"layout race: against {rec2.name} ({names[1]})")
+        rec2.notes.append(f"layout race: against {record.name} ({names[0]})")
+        return LayoutRace(program, second, [record, rec2], names,
+                          draws_random=cudagraphs.draws_random(traced))
 
     def _traced_check(self, traced: torch.fx.GraphModule):
         """The first-call check of a graph whose channels-last rewrite kept TF32

@@ -80,6 +80,14 @@ class Config:
                        "the graph as traced, True keeps only those convolutions NCHW. "
                        "README has the measurements behind the default, 'auto'."),
     )
+    layout_race: bool = field(
+        default=False,
+        metadata=_meta("STITCHCUDA_LAYOUT_RACE", False,
+                       "Under channels_last 'auto', compile an inference convolution graph in "
+                       "both layouts, time the two Programs on the first real inputs once "
+                       "both have settled, and keep the faster (twice the compile time, and "
+                       "the other Program's work in the first calls; layout_race.py)."),
+    )
     split_stats: bool = field(
         default=True,
         metadata=_meta("STITCHCUDA_SPLIT_STATS", True,

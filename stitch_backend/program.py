@@ -51,6 +51,17 @@ class Step:
         object.__setattr__(self, name, value)
 
 
+
+def unboxed(call_args: tuple) -> list[Any]:
+    """A call's inputs as a new list. AOTAutograd calls boxed (one list, cleared here so
+    that the inputs can die early) where it sees ``_boxed_call``, and unboxed where a
+    wrapper hides that attribute."""
+    if len(call_args) == 1 and isinstance(call_args[0], list):
+        inputs = list(call_args[0])
+        call_args[0].clear()
+        return inputs
+    return list(call_args)
+
 class Program:
     """Runs a Plan step by step. Called as ``program(args_list)`` (boxed, as AOT wants)."""
 
@@ -141,13 +152,7 @@ class Program:
         return next(s for s in self.steps if s.region.id == region_id)
 
     def __call__(self, *call_args: Any) -> Any:
-        # AOTAutograd calls boxed (one list, which we may clear so inputs die early) where
-        # it sees ``_boxed_call``, and unboxed where a wrapper hides that attribute.
-        if len(call_args) == 1 and isinstance(call_args[0], list):
-            inputs = list(call_args[0])
-            call_args[0].clear()
-        else:
-            inputs = list(call_args)
+        inputs = unboxed(call_args)
 
         # the inputs the graph mutates: worked out only where this call needs them (the
         # settled replay path writes back its mutations itself)

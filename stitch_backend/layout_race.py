@@ -1,0 +1,113 @@
+"""Both layouts of an inference convolution graph, timed on the user's inputs, the faster
+kept (the ``layout_race`` option).
+
+``auto``'s rule for channels-last is a guess from the graph: on an H100 (session 24)
+forcing NHWC made L3 ResNet18 0.575 ms against the traced layout's 0.768 and MobileNetV1
+0.831 against 0.889, while MobileNetV2 lost (1.181 against 1.099) and EfficientNetB0 too
+(1.075 against 1.052), and no rule of the graph separates them. So the backend may build
+the graph's Program in both layouts and race them: until both have settled (verified,
+their CUDA graph replay decided), each call returns the first Program's outputs and also
+runs the second on the same inputs, with the inputs the graph mutates (BatchNorm's
+running statistics) put back afterwards and the random generators kept; then both are
+timed, interleaved, and every later call runs the faster. Each Program has its own
+record, and the notes of both say what was raced and kept. It costs a second compile
+and the second Program's work in the first calls, and the loser's memory stays held.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from . import cudagraphs
+from .mutations import restored
+from .program import unboxed
+
+log = logging.getLogger("stitch_backend.layout_race")
+
+# Decide at the latest on this call, settled or not (a Program that never settles).
+LATEST_CALL = 8
+
+
+def settled(program: Any) -> bool:
+    """Verification done and CUDA graph replay decided (and checked) for ``program``."""
+    if program.pending:
+        return False
+    replay = program.replay
+    return replay is None or replay.disabled is not None or replay.checked
+
+
+class LayoutRace:
+    """Called by AOTAutograd in place of one inference Program: runs ``first`` and, until
+    the race is decided, ``second`` beside it; then the faster alone. ``records`` are the
+    two Programs' GraphRecords (for their notes); ``names`` say which layout each runs."""
+
+    def __init__(self, first: Any, second: Any, records: Sequence[Any], names: Sequence[str],
+                 draws_random: bool):
+        self.programs = [first, second]
+        self.records = list(records)
+        self.names = list(names)
+        self.draws_random = draws_random
+        self.calls = 0
+        self.choice: Any = None
+        self._boxed_call = True     # AOTAutograd calls with one list, as it does a Program
+
+    def __call__(self, *call_args: Any) -> Any:
+        inputs = unboxed(call_args)
+        if self.choice is not None:
+            return self.choice(inputs)
+        self.calls += 1
+        first, second = self.programs
+        ready = self.calls > 1 and all(settled(p) for p in self.programs)
+        out = first(list(inputs))
+        try:
+            targets = [inputs[w.input_index] for w in first.writebacks]
+            if ready or self.calls >= LATEST_CALL:
+                self.choice = self._decide(inputs, targets)
+            else:
+                with restored(targets), self._generators():
+                    second(list(inputs))      # its own first calls: verification, capture
+        except Exception as err:  # noqa: BLE001 - the race must not break the model
+            self.choice = first
+            self._note(f"layout race: stopped ({type(err).__name__}: {err}); "
+                       f"{self.names[0]} kept")
+        return out
+
+    @contextlib.contextmanager
+    def _generators(self) -> Iterator[None]:
+        """The random generators put back after a run that is not the user's."""
+        state = cudagraphs.RngState() if self.draws_random else None
+        try:
+            yield
+        finally:
+            if state is not None:
+                state.restore()
+
+    def _decide(self, inputs: list[Any], targets: list[torch.Tensor]) -> Any:
+        """Time both Programs on ``inputs`` (interleaved, best of two) and keep the faster;
+        the mutated ``targets`` and the generators are put back."""
+        times: list[list[float]] = [[], []]
+        with restored(targets), self._generators():
+            for _ in range(2):
+                for i, program in enumerate(self.programs):
+                    times[i].append(cudagraphs.wall_ms(lambda p=program: p(list(inputs))))
+        best = [min(t) for t in times]
+        win = 0 if best[0] <= best[1] else 1
+        timing = (f"{self.names[0]} {best[0]:.3f} ms vs {self.names[1]} {best[1]:.3f} ms "
+                  "(wall clock, best of two medians of 5)")
+        for i, rec in enumerate(self.records):
+            rec.notes.append(f"layout race: {timing}: "
+                             + ("this Program runs" if i == win else "the other Program runs"))
+        log.info("stitchcuda: layout race of %s: %s; %s kept",
+                 ", ".join(r.name for r in self.records), timing, self.names[win])
+        return self.programs[win]
+
+    def _note(self, text: str) -> None:
+        for rec in self.records:
+            rec.notes.append(text)
+
+
+__all__ = ["LATEST_CALL", "LayoutRace", "settled"]

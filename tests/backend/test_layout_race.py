@@ -1,0 +1,114 @@
+"""The ``layout_race`` option: an inference convolution graph compiled in both layouts,
+both Programs run until settled, then timed and the faster kept (on CPU through the
+kernel-IR interpreter; the GPU test races real kernels)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from stitch_backend.backend import StitchBackend
+
+
+class ConvBNNet(nn.Module):
+    """Two convolutions with training BatchNorms (whose running statistics each call
+    updates) and a dropout-free head: small enough for the CPU interpreter."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + 1.0).mean(dim=(2, 3))
+
+
+def test_race_compiles_both_layouts_and_keeps_one_with_eager_results():
+    """Both layouts compiled (one record each, the traced layout under ``auto``'s rule
+    and the forced rewrite), every call gives eager's outputs and applies the running
+    statistics' update once, and after the race both records say which runs."""
+    torch.manual_seed(0)
+    model = ConvBNNet().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False, "layout_race": True})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    assert sorted(r.layout_applied for r in backend.records) == [False, True]
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(model.body[1], name), getattr(reference.body[1], name))
+    assert model.body[1].num_batches_tracked == reference.body[1].num_batches_tracked == 4
+    kept = [any("layout race" in n and "this Program runs" in n for n in r.notes)
+            for r in backend.records]
+    assert sorted(kept) == [False, True], [r.notes for r in backend.records]
+
+
+def test_the_eager_guard_above_a_race_waits_for_both_programs(monkeypatch):
+    """With the eager guard on (CPU added to its devices), the guard sees both records,
+    decides after the race, and every call still gives eager's result with one update
+    of the running statistics."""
+    from stitch_backend import eager_guard
+
+    monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    model = ConvBNNet().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False, "layout_race": True,
+                                     "eager_guard": True})   # conftest turns it off
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        for _ in range(5):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    assert model.body[1].num_batches_tracked == reference.body[1].num_batches_tracked == 5
+    torch.testing.assert_close(model.body[4].running_var, reference.body[4].running_var)
+    notes = [n for r in backend.records for n in r.notes]
+    assert any("this Program runs" in n for n in notes), notes
+    assert any("eager guard" in n or "runs as Dynamo traced it" in n
+               for n in notes + [r.reason or "" for rec in backend.records
+                                 for r in rec.plan.regions]), notes
+
+
+def test_without_the_option_one_layout_is_compiled():
+    model = ConvBNNet().train()
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 3, 12, 12))
+    assert [r.layout_applied for r in backend.records] == [False]
+    assert not any("layout race" in n for r in backend.records for n in r.notes)
+
+
+def test_forced_layouts_are_not_raced():
+    """``channels_last`` set by the user is a decision, not a guess: no race."""
+    model = ConvBNNet().train()
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False, "layout_race": True,
+                                     "channels_last": True})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 3, 12, 12))
+    assert [r.layout_applied for r in backend.records] == [True]
+
+
+@pytest.mark.gpu
+def test_race_on_the_gpu_gives_eager_results():
+    """On the GPU: both Programs verified and replayed, the race decided within the
+    first calls, and every call eager's result."""
+    torch.manual_seed(0)
+    model = ConvBNNet().cuda().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cache": False, "layout_race": True})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for _ in range(10):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    notes = [n for r in backend.records for n in r.notes if "layout race" in n]
+    assert any("this Program runs" in n for n in notes), notes
