@@ -11,7 +11,8 @@ runs the second on the same inputs, with the inputs the graph mutates (BatchNorm
 running statistics) put back afterwards and the random generators kept; then both are
 timed, interleaved, and every later call runs the faster. Each Program has its own
 record, and the notes of both say what was raced and kept. It costs a second compile
-and the second Program's work in the first calls, and the loser's memory stays held.
+and the second Program's work in the first calls; the loser's CUDA graph (its memory
+pool) is released once the race is decided, its kernels stay loaded.
 """
 
 from __future__ import annotations
@@ -103,7 +104,12 @@ class LayoutRace:
                              + ("this Program runs" if i == win else "the other Program runs"))
         log.info("stitchcuda: layout race of %s: %s; %s kept",
                  ", ".join(r.name for r in self.records), timing, self.names[win])
-        return self.programs[win]
+        loser = self.programs[1 - win]
+        if loser.replay is not None:
+            loser.replay = None     # its CUDA graph and static buffers go with it
+            self.records[1 - win].notes.append("layout race: its CUDA graph released")
+        self.programs = [self.programs[win]]
+        return self.programs[0]
 
     def _note(self, text: str) -> None:
         for rec in self.records:
