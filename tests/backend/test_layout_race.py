@@ -86,6 +86,21 @@ def test_without_the_option_one_layout_is_compiled():
     assert not any("layout race" in n for r in backend.records for n in r.notes)
 
 
+def test_no_race_where_the_other_layout_does_not_apply():
+    """Grouped convolutions (several input channels a group) are not rewritten even when
+    forced: one record, whose note says why the race did not run."""
+    model = nn.Sequential(nn.Conv2d(8, 8, 3, groups=2), nn.ReLU()).eval()
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False, "layout_race": True})
+    x = torch.randn(2, 8, 10, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+    (rec,) = backend.records
+    assert rec.layout_applied is False
+    assert any(n.startswith("layout race: not run, the other layout does not apply")
+               for n in rec.notes), rec.notes
+
+
 def test_forced_layouts_are_not_raced():
     """``channels_last`` set by the user is a decision, not a guess: no race."""
     model = ConvBNNet().train()
