@@ -291,7 +291,9 @@ class StitchBackend:
         if forced:
             return layout.to_channels_last(gm, self._notes(), partial=True)
         if self.config.channels_last is None:
-            why = layout.auto_declines(gm)
+            from .layout_auto import auto_declines
+
+            why = auto_declines(gm)
             if why is not None:
                 return gm, layout.LayoutResult(False, why)
         return layout.to_channels_last(gm, self._notes(),

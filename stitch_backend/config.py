@@ -74,7 +74,7 @@ class Config:
                        "Run the 2-D convolutions of inference graphs channels-last (NHWC), "
                        "converting layouts once at the graph's edges; outputs keep eager's "
                        "strides. 'auto' (None): only where every training BatchNorm has at "
-                       "least layout.AUTO_MIN_POSITIONS positions per channel. Never where a "
+                       "least layout_auto.AUTO_MIN_POSITIONS positions per channel. Never where a "
                        "convolution would lose precision (cuDNN's TF32 NHWC kernels; checked "
                        "at compile time, the verdicts kept in the cache): 'auto' then keeps "
                        "the graph as traced, True keeps only those convolutions NCHW. "

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from stitch_backend import layout
+from stitch_backend import layout_auto
 from tests.backend.test_layout import _auto_notes, _check
 
 aten = torch.ops.aten
@@ -40,7 +40,7 @@ def test_forced_rewrite_computes_instance_norm_over_its_own_dims(affine, dims):
                             "norm(s) computed over their own dims "
                             "(no view of N*C channels)"), rec.notes[0]
     targets = [n.target for n in rec.gm.graph.nodes]
-    assert not any(t in layout._BN_TRAIN for t in targets)
+    assert not any(t in layout_auto._BN_TRAIN for t in targets)
     (stats,) = [n for n in rec.gm.graph.nodes if n.target is aten.var_mean.correction]
     assert stats.args[1] == list(range(2, 2 + dims))
     fmt = torch.channels_last if dims == 2 else torch.channels_last_3d

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from stitch_backend import layout
+from stitch_backend import layout, layout_auto
 from stitch_backend.backend import StitchBackend
 from stitch_backend.examples import conv_bn_relu, depthwise_separable, residual_block
 
@@ -217,7 +217,7 @@ def test_auto_declines_batchnorm_statistics_over_few_positions(monkeypatch):
     assert note.startswith("channels-last off: auto: ") and "positions per channel" in note, note
     assert all(v.is_contiguous() for v in _conv_inputs(rec.gm))
     # The same graph with the threshold below its positions: rewritten.
-    monkeypatch.setattr(layout, "AUTO_MIN_POSITIONS", x.shape[0] * x.shape[2] * x.shape[3] // 4)
+    monkeypatch.setattr(layout_auto, "AUTO_MIN_POSITIONS", x.shape[0] * x.shape[2] * x.shape[3] // 4)
     torch._dynamo.reset()
     (note,), rec = _auto_notes(example.Model(*example.get_init_inputs()).train(), x)
     assert note.startswith("channels-last: "), note
