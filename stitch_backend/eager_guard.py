@@ -150,13 +150,8 @@ class EagerGuard:
         records = self.records
         if self.training and not any(rec.stage == "backward" for rec in records):
             return False
-        for rec in records:
-            program = rec.program
-            if program.pending:
-                return False
-            replay = program.replay
-            if replay is not None and replay.disabled is None and not replay.checked:
-                return False
+        if not all(rec.program.settled for rec in records):
+            return False
         return self.calls > 1
 
     def _plain_aten(self) -> Callable[..., Any] | None:

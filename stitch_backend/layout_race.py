@@ -33,14 +33,6 @@ log = logging.getLogger("stitch_backend.layout_race")
 LATEST_CALL = 8
 
 
-def settled(program: Any) -> bool:
-    """Verification done and CUDA graph replay decided (and checked) for ``program``."""
-    if program.pending:
-        return False
-    replay = program.replay
-    return replay is None or replay.disabled is not None or replay.checked
-
-
 class LayoutRace:
     """Called by AOTAutograd in place of one inference Program: runs ``first`` and, until
     the race is decided, ``second`` beside it; then the faster alone. ``records`` are the
@@ -62,7 +54,7 @@ class LayoutRace:
             return self.choice(inputs)
         self.calls += 1
         first, second = self.programs
-        ready = self.calls > 1 and all(settled(p) for p in self.programs)
+        ready = self.calls > 1 and all(p.settled for p in self.programs)
         out = first(list(inputs))
         try:
             targets = [inputs[w.input_index] for w in first.writebacks]
@@ -116,4 +108,4 @@ class LayoutRace:
             rec.notes.append(text)
 
 
-__all__ = ["LATEST_CALL", "LayoutRace", "settled"]
+__all__ = ["LATEST_CALL", "LayoutRace"]

@@ -144,6 +144,15 @@ class Program:
                 self.steps[i].free_after.append(s)
 
     @property
+    def settled(self) -> bool:
+        """Verification done and CUDA graph replay decided (and, where on, checked on its
+        first replay): what the eager guard and the layout race wait for."""
+        if self.pending:
+            return False
+        replay = self.replay
+        return replay is None or replay.disabled is not None or replay.checked
+
+    @property
     def graph_module(self) -> torch.fx.GraphModule:
         """The ATen graph the Program runs."""
         return self._gm
