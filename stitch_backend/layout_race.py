@@ -65,8 +65,10 @@ class LayoutRace:
                     second(list(inputs))      # its own first calls: verification, capture
         except Exception as err:  # noqa: BLE001 - the race must not break the model
             self.choice = first
-            self._note(f"layout race: stopped ({type(err).__name__}: {err}); "
-                       f"{self.names[0]} kept")
+            why = (f"layout race: stopped ({type(err).__name__}: {err}); "
+                   f"{self.names[0]} kept")
+            log.warning("stitchcuda: %s: %s", ", ".join(r.name for r in self.records), why)
+            self._note(why)
         return out
 
     @contextlib.contextmanager

@@ -76,6 +76,30 @@ def test_the_eager_guard_above_a_race_waits_for_both_programs(monkeypatch):
                                  for r in rec.plan.regions]), notes
 
 
+def test_a_race_that_fails_keeps_the_first_program_and_says_why(monkeypatch, caplog):
+    """The timing raises: the first Program runs from then on, eager's results still,
+    and a warning and both records' notes say why."""
+    from stitch_backend import layout_race
+
+    def broken(fn, runs=5):
+        raise RuntimeError("timer broke")
+
+    monkeypatch.setattr(layout_race.cudagraphs, "wall_ms", broken)
+    torch.manual_seed(0)
+    model = ConvBNNet().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                     "require_speedup": False, "layout_race": True})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="stitch_backend.layout_race"):
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    why = "layout race: stopped (RuntimeError: timer broke); the traced layout kept"
+    assert all(why in r.notes for r in backend.records), [r.notes for r in backend.records]
+    assert any(why in m for m in caplog.messages), caplog.messages
+
+
 def test_without_the_option_one_layout_is_compiled():
     model = ConvBNNet().train()
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
