@@ -26,17 +26,24 @@ class ConvBNNet(nn.Module):
         return torch.relu(self.body(x) + 1.0).mean(dim=(2, 3))
 
 
-def test_race_compiles_both_layouts_and_keeps_one_with_eager_results():
-    """Both layouts compiled (one record each, the traced layout under ``auto``'s rule
-    and the forced rewrite), every call gives eager's outputs and applies the running
-    statistics' update once, and after the race both records say which runs."""
+def _raced(**options):
+    """A training-mode ConvBNNet, its eager copy, a backend racing layouts on the CPU
+    interpreter (plus ``options``), the compiled model and an input."""
     torch.manual_seed(0)
     model = ConvBNNet().train()
     reference = copy.deepcopy(model)
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False, "layout_race": True})
-    compiled = torch.compile(model, backend=backend)
-    x = torch.randn(2, 3, 12, 12)
+                                     "require_speedup": False, "layout_race": True,
+                                     **options})
+    return model, reference, backend, torch.compile(model, backend=backend), \
+        torch.randn(2, 3, 12, 12)
+
+
+def test_race_compiles_both_layouts_and_keeps_one_with_eager_results():
+    """Both layouts compiled (one record each, the traced layout under ``auto``'s rule
+    and the forced rewrite), every call gives eager's outputs and applies the running
+    statistics' update once, and after the race both records say which runs."""
+    model, reference, backend, compiled, x = _raced()
     with torch.no_grad():
         for _ in range(4):
             torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
@@ -56,14 +63,7 @@ def test_the_eager_guard_above_a_race_waits_for_both_programs(monkeypatch):
     from stitch_backend import eager_guard
 
     monkeypatch.setattr(eager_guard, "DEVICES", ("cuda", "cpu"))
-    torch.manual_seed(0)
-    model = ConvBNNet().train()
-    reference = copy.deepcopy(model)
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False, "layout_race": True,
-                                     "eager_guard": True})   # conftest turns it off
-    compiled = torch.compile(model, backend=backend)
-    x = torch.randn(2, 3, 12, 12)
+    model, reference, backend, compiled, x = _raced(eager_guard=True)   # conftest: off
     with torch.no_grad():
         for _ in range(5):
             torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
@@ -85,13 +85,7 @@ def test_a_race_that_fails_keeps_the_first_program_and_says_why(monkeypatch, cap
         raise RuntimeError("timer broke")
 
     monkeypatch.setattr(layout_race.cudagraphs, "wall_ms", broken)
-    torch.manual_seed(0)
-    model = ConvBNNet().train()
-    reference = copy.deepcopy(model)
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False, "layout_race": True})
-    compiled = torch.compile(model, backend=backend)
-    x = torch.randn(2, 3, 12, 12)
+    model, reference, backend, compiled, x = _raced()
     with torch.no_grad(), caplog.at_level("WARNING", logger="stitch_backend.layout_race"):
         for _ in range(3):
             torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
