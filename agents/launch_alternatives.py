@@ -1,8 +1,9 @@
 """Alternatives of a Coder candidate that differ from it only in how a reduction kernel
-is laid out or launched (the Verifier races each against the candidate and keeps the
-fastest): the column and staged layouts of a reduction that writes across its rows, and
-the narrow launch of a column reduction over few rows. ``coder`` is the TemplateCoder
-(its ``sm_count`` and ``_candidate``)."""
+is laid out, launched or keeps its rows (the Verifier races each against the candidate
+and keeps the fastest): the column and staged layouts of a reduction that writes across
+its rows, the narrow launch of a column reduction over few rows, and rows whose passes
+keep computed values in registers. ``coder`` is the TemplateCoder (its ``sm_count`` and
+``_candidate``)."""
 
 from __future__ import annotations
 
@@ -56,24 +57,44 @@ def narrow_columns(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Ca
     return [] if cand is None else [cand]
 
 
+def cached_values(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    """The candidate again with each inner-layout reduction kernel that streams its row
+    once a pass (the template keeps no loads in registers where a pass calls a math
+    function on each element, softmax's exp) generated with persistent rows that keep
+    the values a later pass needs (``generate(cache_values=True)``,
+    ``persist.value_passes``): MiniGPT's masked softmax then reads its input and mask
+    once and computes each exp once. None where no kernel is such."""
+    def streams(kernel: Any) -> bool:
+        em = getattr(kernel, "emitted", None)
+        return em is not None and em.kind == "reduction" and em.layout == "inner" \
+            and em.vec > 1 and "persist_row" not in em.source
+
+    cand = _swapped(coder, subtask, stages, streams, "pv",
+                    differs=lambda old, new: new.emitted.cached_values > 0, cache_values=True)
+    return [] if cand is None else [cand]
+
+
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
-             suffix: str, **how: Any) -> Candidate | None:
+             suffix: str, differs: Callable[[Any, Any], bool] | None = None,
+             **how: Any) -> Candidate | None:
     """The candidate named ``REGION_suffix`` whose kernels that ``applies`` to are
     generated again with ``how`` (``codegen.fused.generate``'s keywords) under their name
-    plus ``_suffix``; None where no kernel applies or one of them cannot be generated so."""
+    plus ``_suffix`` (kept only where ``differs(old, new)``, when given); None where no
+    kernel changes or one of them cannot be generated so."""
     swapped, changed = [], False
     for stage in stages:
         kernel = stage.kernel
         if kernel is not None and applies(kernel):
             module = region_module(subtask.graph, stage.region)
             try:
-                kernel = generate(module, f"{kernel.name}_{suffix}", sm_count=coder.sm_count,
-                                  **how)
+                new = generate(module, f"{kernel.name}_{suffix}", sm_count=coder.sm_count,
+                               **how)
             except Unsupported as err:
                 log.debug("no %s candidate for %s (%s): %s", suffix, subtask.region_name,
                           how, err)
                 return None
-            changed = True
+            if differs is None or differs(kernel, new):
+                kernel, changed = new, True
         swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
     if not changed:
         return None
@@ -81,4 +102,4 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                             list(subtask.region.outputs))
 
 
-__all__ = ["narrow_columns", "row_write_layouts"]
+__all__ = ["cached_values", "narrow_columns", "row_write_layouts"]

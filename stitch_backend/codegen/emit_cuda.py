@@ -41,6 +41,7 @@ class Emitted:
     arg_names: tuple[str, ...]
     max_threads: int = 1024   # its __launch_bounds__: the launch never exceeds it
     serial: bool = False      # a reduction whose rows take one thread each (short rows)
+    cached_values: int = 0    # values its persistent rows keep in registers (cache_values)
 
 
 # The most rows a reduction's row loop steps at once: its grid (fused.MAX_ROW_BLOCKS at
@@ -326,6 +327,7 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     ``c_NAME[j]``, loaded by an earlier pass over the row)."""
     b0 = sympy.Symbol(f"{var}_0")
     cached = cached or {}
+    loaded: dict[str, int] = {}      # vector name -> its line, dropped if this pass never reads it
     for load, name in vloads.items():
         vt = f"sfk_vec<{k.ptr[load.buf]}, {vec}>"
         if cached.get(name) == "use":
@@ -335,6 +337,8 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
         value = f"sfk_ldv<{vec}>({load.buf} + {off})"
         if cached.get(name) == "fill":
             value = f"(c_{name}[j] = {value})"
+        else:
+            loaded[name] = len(scope.lines)
         scope.lines.append(f"{ind}const {vt} {name} = {value};")
     for st, name in vstores.items():
         scope.lines.append(f"{ind}sfk_vec<{k.ptr[k.out_names[st.out]]}, {vec}> {name};")
@@ -344,6 +348,9 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     em.overrides = {ld: f"sfk_val({name}.v[v])" for ld, name in vloads.items()}
     em.override_deps = {var, sympy.Symbol("v")}
     body(inner)
+    text = "\n".join(inner.render())
+    unread = {loaded[n] for n in loaded if f"{n}.v[" not in text}
+    scope.lines[:] = [line for i, line in enumerate(scope.lines) if i not in unread]
     scope.lines += [f"{ind}#pragma unroll", f"{ind}for (int v = 0; v < {vec}; ++v) {{"]
     scope.lines += inner.render()
     scope.lines.append(f"{ind}}}")
@@ -372,13 +379,15 @@ def _emit_store(k, em, scope, st: Store, cond: str = "") -> None:
     scope.lines.append(scope.ind + stmt)
 
 
-def emit(ir: KernelIR, layout: str | None = None) -> Emitted:
+def emit(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
     """CUDA source for ``ir``; raises ``Unsupported`` for what the templates lack.
-    ``layout`` forces a reduction's thread layout ("inner", "column" or "staged")."""
+    ``layout`` forces a reduction's thread layout ("inner", "column" or "staged");
+    ``cache_values`` its persistent rows' register arrays of values, not loads (a
+    pointwise kernel, one pass, has nothing to keep)."""
     if ir.is_reduction:
         from .emit_reduction import emit_reduction   # it builds on this module's _Kernel
 
-        return emit_reduction(ir, layout)
+        return emit_reduction(ir, layout, cache_values)
     if layout is not None:
         raise ValueError(f"a pointwise region has no reduction layout ({layout!r})")
     return _emit_pointwise(ir)

@@ -101,6 +101,10 @@ class ExprEmitter:
         self.red_names: dict = {}
         self.overrides: dict = {}
         self.override_deps: set = set()
+        # persistent rows (persist.value_passes): values this pass reads from registers,
+        # and values it computes and keeps there for a later pass (C lvalues)
+        self.value_uses: dict = {}
+        self.fills: dict = {}
         self.count = 0
 
     # -- dependencies --------------------------------------------------------------------
@@ -114,6 +118,8 @@ class ExprEmitter:
         return out
 
     def deps(self, e: Expr) -> set:
+        if e in self.value_uses:
+            return set(self.override_deps)
         if isinstance(e, Load):
             if e in self.overrides:
                 return set(self.override_deps) | self._index_deps(e.offset)
@@ -221,18 +227,21 @@ class ExprEmitter:
             return f"(({compute_ctype(e.dtype)})({self.print_index(e.expr, self.IDX, {})}))"
         if isinstance(e, RedRef):
             return f"(({compute_ctype(e.dtype)}){self.red_names[(e.rid, e.part)]})"
+        if e in self.value_uses:
+            return self.value_uses[e]
         for s in scope.chain():
             if e in s.names:
                 return s.names[e]
         target = self._target(self.deps(e), scope)
         text, trivial = self._c(e, target)
-        if trivial:
-            return text
-        name = f"t{self.count}"
-        self.count += 1
-        target.lines.append(f"{target.ind}const {compute_ctype(e.dtype)} {name} = {text};")
-        target.names[e] = name
-        return name
+        if not trivial:
+            name = f"t{self.count}"
+            self.count += 1
+            target.lines.append(f"{target.ind}const {compute_ctype(e.dtype)} {name} = {text};")
+            target.names[e] = text = name
+        if e in self.fills:
+            target.lines.append(f"{target.ind}{self.fills[e]} = {text};")
+        return text
 
     def _c(self, e: Expr, scope: Scope) -> tuple[str, bool]:
         if isinstance(e, Load):

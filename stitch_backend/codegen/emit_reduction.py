@@ -17,7 +17,8 @@ import sympy
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
-from .kernel_ir import KernelIR, Load, Op, Reduction, Unsupported, walk
+from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
+from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
     "sum": lambda t: "0", "prod": lambda t: "1", "any": lambda t: "false", "all": lambda t: "true",
@@ -136,22 +137,6 @@ def stores_across_rows(ir: KernelIR) -> bool:
     return True
 
 
-# Persistent rows: where a row is read by more than one pass (softmax: its maximum, its
-# sum of exponentials, its output; layer_norm: statistics, output), the vector path
-# keeps each thread's chunks of the loads later passes read in registers, so the row
-# is read from memory once. Only for rows of a static length that PERSIST_THREADS
-# threads cover in PERSIST_CHUNKS chunks each (launch_shape gives a row ~4 a thread);
-# such a kernel is bounded to PERSIST_THREADS threads a block, so that its registers
-# are not capped at 64 (at 1024 threads, the cached softmax of L3 MiniGPT spilled), and
-# caches at most PERSIST_REGS 32-bit registers of values a thread. Other rows take the
-# streaming passes as before, and so do rows whose passes call a math function on each
-# element (softmax's exp): on the H200 (kb/tune/rows.py, one run, one block per row
-# group) the template's softmax streamed 524288x512 rows in 0.589 ms against 0.760
-# persistent, 65536x1024 0.163 vs 0.205, 8192x4096 0.094 vs 0.116, while layer norm
-# (no per-element math) kept its gain: 65536x768 0.112 persistent vs 0.117.
-PERSIST_CHUNKS = 4
-PERSIST_THREADS = 256
-PERSIST_REGS = 64
 # Rows of at most this many elements, a constant count and no vector path (a pooling
 # window, a strided short row) are reduced by one thread each in a fully unrolled loop:
 # the reduced indices become constants, so the window's index arithmetic folds. With a
@@ -159,56 +144,12 @@ PERSIST_REGS = 64
 # division, clamps and bounds checks, and the generated kernel took 15.27 ms on the
 # H200 against ATen's 10.84 (which also writes int64 indices).
 SERIAL_MAX_K = 32
-_ELEMENT_MATH = frozenset({"exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "tanh",
-                           "erf", "erfc", "sin", "cos", "tan", "sinh", "cosh", "pow",
-                           "sigmoid"})
-_BYTES = {"double": 8, "long long": 8, "float": 4, "int": 4, "__half": 2,
-          "__nv_bfloat16": 2, "short": 2, "signed char": 1, "unsigned char": 1, "bool": 1}
 
 
-def _persistent_passes(k: _Kernel, ir: KernelIR, vec: int, vloads: dict,
-                       phases: list[int], elem_stores: list) -> list[dict[str, str]] | None:
-    """For each pass over a row (the reduction phases, then the element stores), which
-    vector loads it fills into registers ("fill") or reads from them ("use"); None
-    where no load is read by two passes, the row's length is not static or is too
-    long, or the cached chunks would not fit."""
-    length = sympy.Integer(1)
-    for e in ir.domain.red_extents:
-        length *= sympy.sympify(e)
-    if not length.is_Integer or int(length) > PERSIST_THREADS * vec * PERSIST_CHUNKS:
-        return None
-    bodies = [r.body for r in ir.inner_reductions] + [st.value for st in elem_stores]
-    if any(isinstance(n, Op) and n.name in _ELEMENT_MATH and any(
-            isinstance(m, Load) for m in walk([n])) for n in walk(bodies)):
-        return None
-    used: list[set] = []
-    for p in phases:
-        used.append({n for r in ir.inner_reductions if r.phase == p
-                     for n in walk([r.body]) if isinstance(n, Load) and n in vloads})
-    if elem_stores:
-        used.append({n for st in elem_stores for n in walk([st.value])
-                     if isinstance(n, Load) and n in vloads})
-    again = {ld for i, u in enumerate(used) for ld in u
-             if any(ld in later for later in used[i + 1:])}
-    if not again:
-        return None
-    regs = sum(max(1, vec * _BYTES.get(k.ptr[ld.buf], 8) // 4) for ld in again) * PERSIST_CHUNKS
-    if regs > PERSIST_REGS:
-        return None
-    plan: list[dict[str, str]] = []
-    filled: set = set()
-    for u in used:
-        modes = {}
-        for ld in u & again:
-            modes[vloads[ld]] = "use" if ld in filled else "fill"
-            filled.add(ld)
-        plan.append(modes)
-    return plan
-
-
-def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
+def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
     """The reduction kernel of ``ir``, in ``layout`` ("inner", "column" or "staged"
-    (``emit_staged``); by default the one its loads favour)."""
+    (``emit_staged``); by default the one its loads favour). ``cache_values``: persistent
+    rows keep computed values between passes, not loads (``persist.value_passes``)."""
     if layout not in (None, "inner", "column", "staged"):
         raise ValueError(f"unknown reduction layout {layout!r}")
     if layout == "staged":
@@ -244,8 +185,15 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
                   + (", cross-row reduction in the last block" if outer else ""))
     em = ExprEmitter(k, ir)
     phases = sorted({r.phase for r in ir.inner_reductions})
-    persist = _persistent_passes(k, ir, vec, vloads, phases, elem_stores) if (
-        vloads and layout == "inner") else None
+    values = None
+    if vloads and layout == "inner":
+        if cache_values:
+            values = value_passes(ir, em, vec, phases, elem_stores)
+            persist = [{} for _ in values] if values else None
+        else:
+            persist = load_passes(k, ir, vec, vloads, phases, elem_stores)
+    else:
+        persist = None
     max_threads = PERSIST_THREADS if persist else 1024
     serial = _serial_k(d, layout, vloads, vstores, persist)
     L.append(f'extern "C" __global__ void __launch_bounds__({max_threads}) {ir.name}(')
@@ -297,7 +245,11 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
         for ld, name in vloads.items():
             if any(name in modes for modes in persist):
                 row.pre.append(f"    sfk_vec<{k.ptr[ld.buf]}, {vec}> c_{name}[{PERSIST_CHUNKS}];")
+        for e, name in sorted({e: n for _, fills in values or [] for e, n in fills.items()}.items(),
+                              key=lambda item: item[1]):
+            row.pre.append(f"    {compute_ctype(e.dtype)} {name}[{PERSIST_CHUNKS * vec}];")
     passes = iter(persist or [])
+    value_plan = iter(values or [])
     for p in phases:
         reds = [r for r in ir.inner_reductions if r.phase == p]
         for r in reds:
@@ -307,7 +259,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
             for r in reds:
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
-                 next(passes, None), serial)
+                 next(passes, None), serial, next(value_plan, None))
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -320,7 +272,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, vstores if has_vec else {}, conds,
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
-                 next(passes, None), serial)
+                 next(passes, None), serial, next(value_plan, None))
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -330,7 +282,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None) -> Emitted:
         L += _outer_stage(k, ir, em)
     L.append("}")
     return Emitted("\n".join(L) + "\n", ir.name, sig, "reduction", layout, vec, k.idx64,
-                   workspaces, names, max_threads, serial=serial is not None)
+                   workspaces, names, max_threads, serial=serial is not None,
+                   cached_values=len({e for _, fills in values or [] for e in fills}))
 
 
 def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
@@ -344,11 +297,13 @@ def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
 
 
 def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None,
-             serial=None):
+             serial=None, values=None):
     """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
     with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
     variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
-    arrays of cached loads are indexed by constants.
+    arrays of cached loads are indexed by constants; ``values`` (this pass's entry of
+    ``persist.value_passes``): the computed values it reads from, and keeps in, the
+    register arrays ``cvN[j * VEC + v]`` there.
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -391,8 +346,12 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 body(inner)
                 for st, name in vstores.items():
                     _store_lane(k, em, inner, st, name)
+            if persistent and values is not None:
+                em.value_uses = {e: f"{n}[j * {vec} + v]" for e, n in values[0].items()}
+                em.fills = {e: f"{n}[j * {vec} + v]" for e, n in values[1].items()}
             _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind,
                           cached if persistent else None)
+            em.value_uses, em.fills = {}, {}
         else:
             cind = ind + "  "
             if vec > 1:

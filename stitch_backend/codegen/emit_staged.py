@@ -33,9 +33,10 @@ import sympy
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel
 from .emit_expr import CTYPE, ExprEmitter, Scope, compute_ctype
-from .emit_reduction import (_BYTES, _acc_ctype, _init_value, _op_functor, _smem_width,
+from .emit_reduction import (_acc_ctype, _init_value, _op_functor, _smem_width,
                              accumulate, row_stores, stores_across_rows)
 from .kernel_ir import KernelIR, Load, Unsupported
+from .persist import BYTES as _BYTES
 
 STAGE_ROWS = 32
 STAGE_THREADS = 256

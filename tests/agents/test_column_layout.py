@@ -18,6 +18,8 @@ from stitch_backend.codegen.kernel_ir import Unsupported
 from stitch_backend.kernels import InterpretedRunner, runner_for
 from stitch_backend.regions import region_module
 
+from .region_inputs import region_inputs
+
 
 class DeconvSoftmax(nn.Module):
     """KernelBench L2 91's shape, smaller: a transposed convolution, a softmax over its
@@ -45,17 +47,6 @@ def _softmax_region(channels_last: bool):
     return rec.gm, region
 
 
-def _inputs(gm, region):
-    gen = torch.Generator().manual_seed(1)
-    nodes = {n.name: n for n in gm.graph.nodes}
-    out = []
-    for name in region.inputs:
-        v = nodes[name].meta["val"]
-        t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype)
-        out.append(t.copy_(torch.randn(v.shape, generator=gen)))
-    return out
-
-
 def test_channels_last_softmax_written_nchw_gets_a_column_alternative():
     gm, region = _softmax_region(channels_last=True)
     cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
@@ -66,7 +57,7 @@ def test_channels_last_softmax_written_nchw_gets_a_column_alternative():
     (stg,) = [a for a in cand.alternatives if a.name.endswith("_stg")]
     assert stg.kernel.emitted.layout == "staged" and "staged layout" in stg.source
     assert "__shared__" in stg.source and "sfk_st0[" in stg.source
-    inputs = _inputs(gm, region)
+    inputs = region_inputs(gm, region)
     want = region_module(gm, region)(*inputs)
     want = list(want) if isinstance(want, (list, tuple)) else [want]
     for c in (cand, col, stg):
@@ -169,7 +160,7 @@ def test_a_column_reduction_over_few_rows_gets_a_narrow_launch_alternative():
     assert blocks == 128 and threads >> log2_tk == 1
     assert narrow[0].source.replace(narrow[0].entry, "E") == base[0].source.replace(
         base[0].entry, "E")
-    inputs = _inputs(gm, region)
+    inputs = region_inputs(gm, region)
     want = region_module(gm, region)(*inputs)
     got = runner_for(nrw, base=InterpretedRunner)(*inputs)
     for g, w in zip(got, want):

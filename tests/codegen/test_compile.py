@@ -131,6 +131,56 @@ def test_rows_read_by_several_passes_are_read_once_into_registers():
         assert "__launch_bounds__(1024)" in other.source and other.emitted.max_threads == 1024
 
 
+def _persistent_blocks(source: str) -> list[str]:
+    """The persistent variant of each pass over a row (emit_reduction._k_loops)."""
+    return [part.split("} else if (vec_row) {")[0] for part in source.split("if (persist_row) {")[1:]]
+
+
+def test_cache_values_keeps_each_pass_computed_values_in_registers():
+    """``cache_values``: a softmax's persistent row reads its input once (the maximum's
+    pass keeps it), computes each exp once (the sum's pass keeps exp(x - max)) and its
+    store pass reads nothing but registers; the template kernel stays as it was
+    (streaming, no register arrays). A layer norm keeps x, then x - mean."""
+    by_name = {c.name: c for c in CASES + BIG}
+    gm = by_name["big_softmax"].trace()
+    plain = generate(gm, "sm")
+    assert "persist_row" not in plain.source and plain.emitted.cached_values == 0
+    k = generate(gm, "sm_pv", cache_values=True)
+    assert k.emitted.cached_values == 2 and k.emitted.max_threads == 256
+    first, second, store = _persistent_blocks(k.source)
+    assert "sfk_ldv<" in first and "cv0[j * 4 + v] = " in first and "expf" not in first
+    assert "sfk_ldv<" not in second and second.count("expf(") == 1
+    assert "cv0[j * 4 + v]" in second and "cv1[j * 4 + v] = " in second
+    assert "sfk_ldv<" not in store and "expf" not in store and "cv1[j * 4 + v]" in store
+    assert "sfk_stv<4>(out0" in store
+    # the streaming variants (unaligned rows) still compute everything
+    assert k.source.count("expf(") == 1 + 2 * 2
+
+    ln = generate(by_name["big_layer_norm_f16"].trace(), "ln_pv", cache_values=True)
+    assert ln.emitted.cached_values == 2
+    mean, var, out = _persistent_blocks(ln.source)
+    assert "sfk_ldv<" in mean and "sfk_ldv<" not in var
+    assert ln.emitted.vec == 8       # fp16: 16-byte vectors of 8
+    assert "cv1[j * 8 + v] = " in var and "cv1[j * 8 + v]" in out and "cv0" not in out
+    # a single pass has nothing to keep; a row too long for the registers streams
+    for name in ("red_sum_last", "big_softmax_long"):
+        other = generate(by_name[name].trace(), name, cache_values=True)
+        assert other.emitted.cached_values == 0 and "persist_row" not in other.source, name
+
+
+@pytest.mark.nvcc
+def test_cache_values_kernels_compile_for_sm90a():
+    """Every case whose reduction keeps values between passes, generated so, compiles."""
+    kernels = [k for k in (generate(c.trace(), c.name + "_pv", cache_values=True)
+                           for c in CASES + BIG if c.trace is not None)
+               if k.emitted.cached_values]
+    assert len(kernels) >= 5
+    jobs = [toolchain.CompileJob("\n".join(k.source for k in kernels[i:i + PER_UNIT]),
+                                 f"pv_unit{i}", "sm_90a") for i in range(0, len(kernels), PER_UNIT)]
+    for res in toolchain.compile_many(jobs, max_workers=2):
+        assert not isinstance(res, toolchain.CompileError), str(res)
+
+
 def test_long_rows_take_eight_chunks_a_thread():
     """Rows that would take more than 512 threads at 4 vector chunks each take 8 a thread
     (fused.launch_shape's comment: L2 17's instance norm rows, timed on an H100)."""

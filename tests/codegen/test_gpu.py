@@ -103,6 +103,35 @@ def test_misaligned_inputs_take_the_scalar_path_with_the_same_bits(built):
     torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_cache_values_kernels_match_eager_and_the_template_on_gpu():
+    """Every case whose persistent rows keep computed values between passes
+    (``generate(cache_values=True)``, the Coder's ``_pv`` alternative): eager's values
+    on fresh inputs, bit-identical on a second launch, and on a misaligned copy (the
+    streaming scalar path) the same bits as aligned."""
+    from stitch_backend.cuda_driver import CudaModule
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    arch = toolchain.device_arch()
+    checked = []
+    for case in ALL:
+        gm = case.trace(device="cuda")
+        kernel = generate(gm, case.name + "_pv", sm_count=sms, cache_values=True)
+        if not kernel.emitted.cached_values:
+            continue
+        fn = CudaModule(toolchain.compile_cubin(kernel.source, kernel.entry, arch).cubin) \
+            .function(kernel.entry, kernel.signature)
+        for seed in (21, 22):
+            _check(case, gm, kernel, fn, seed)
+        checked.append(case.name)
+        if case.name == "big_softmax":
+            x = case.make_inputs(5, device="cuda")[0]
+            shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x)
+            shifted.copy_(x)
+            torch.testing.assert_close(_launch(kernel, fn, [x])[0],
+                                       _launch(kernel, fn, [shifted])[0], atol=0, rtol=0)
+    assert "big_softmax" in checked and "big_layer_norm_f16" in checked, checked
+
+
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_one_pass_softmax_statistics_keep_eagers_special_values(log):
     """Softmax's maximum and sum in one pass over long rows (partial sums rescaled as
