@@ -1,9 +1,9 @@
 """Alternatives of a Coder candidate that differ from it only in how a reduction kernel
-is laid out, launched or keeps its rows (the Verifier races each against the candidate
-and keeps the fastest): the column and staged layouts of a reduction that writes across
-its rows, the narrow launch of a column reduction over few rows, and rows whose passes
-keep computed values in registers. ``coder`` is the TemplateCoder (its ``sm_count`` and
-``_candidate``)."""
+is laid out, launched, summed or keeps its rows (the Verifier races each against the
+candidate and keeps the fastest): the column and staged layouts of a reduction that
+writes across its rows, the narrow launch of a column reduction over few rows, rows whose
+passes keep computed values in registers, and variances over long rows in one pass.
+``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
 
@@ -74,6 +74,33 @@ def cached_values(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Can
     return [] if cand is None else [cand]
 
 
+# Rows of at least this many elements get the single-pass statistics alternative: 64 KB
+# of fp32 a row, more than stays in an SM's L1 between the template's passes while other
+# rows stream through it (reasoned, not measured).
+SINGLE_PASS_MIN_LEN = 16384
+
+
+def single_pass_stats(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    """The candidate again with each reduction kernel whose variance over long static
+    rows (a norm's statistics) takes two passes, the mean and then the squared
+    deviations, generated with one (``generate(single_pass_stats=True)``): the row is
+    read twice instead of three times. None where no kernel is such."""
+    def long_two_pass(kernel: Any) -> bool:
+        ir = getattr(kernel, "ir", None)
+        if ir is None or not ir.is_reduction or len({r.phase for r in ir.inner_reductions}) < 2:
+            return False
+        n = sympy.Mul(*ir.domain.red_extents)
+        return bool(n.is_Integer) and int(n) >= SINGLE_PASS_MIN_LEN
+
+    def fewer_phases(old: Any, new: Any) -> bool:   # a softmax's max-then-sum stays as it is
+        return len({r.phase for r in new.ir.inner_reductions}) < len(
+            {r.phase for r in old.ir.inner_reductions})
+
+    cand = _swapped(coder, subtask, stages, long_two_pass, "sp", differs=fewer_phases,
+                    single_pass_stats=True)
+    return [] if cand is None else [cand]
+
+
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
              suffix: str, differs: Callable[[Any, Any], bool] | None = None,
              **how: Any) -> Candidate | None:
@@ -102,4 +129,4 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                             list(subtask.region.outputs))
 
 
-__all__ = ["cached_values", "narrow_columns", "row_write_layouts"]
+__all__ = ["cached_values", "narrow_columns", "row_write_layouts", "single_pass_stats"]

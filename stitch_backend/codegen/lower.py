@@ -161,6 +161,8 @@ class Ctx:
     # node -> (its input TensorArg, that input's storage offset): values that are views
     # of a region input, loaded through their own static strides (``_strided_view``)
     strided: dict = field(default_factory=dict)
+    # variances in one pass over shifted values (``lower_reductions._shifted_moments``)
+    single_pass_stats: bool = False
 
     # -- helpers used by op rules ------------------------------------------------------
     def reduce(self, kind: str, x: LT, dims, keepdim: bool, dtype: torch.dtype,
@@ -360,11 +362,12 @@ def _sym_value(val) -> sympy.Expr:
     return ix.sympify_size(val)
 
 
-def lower(gm: torch.fx.GraphModule, name: str) -> KernelIR:
-    """The KernelIR of region ``gm``; raises ``Unsupported`` with the reason."""
+def lower(gm: torch.fx.GraphModule, name: str, *, single_pass_stats: bool = False) -> KernelIR:
+    """The KernelIR of region ``gm``; raises ``Unsupported`` with the reason.
+    ``single_pass_stats``: variances (norms' included) in one pass over the row."""
     from . import lower_ops  # the op rules register themselves in RULES
 
-    ctx = Ctx(gm, name)
+    ctx = Ctx(gm, name, single_pass_stats=single_pass_stats)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     int_inputs = []
     constants = set()

@@ -78,11 +78,8 @@ def _mean(ctx, x: LT, dims, acc, what="mean") -> LT:
 
 
 def _var(ctx, x: LT, dims, acc, correction, what="var"):
-    """(var, mean), keepdim, two-pass."""
-    mean = _mean(ctx, x, dims, acc, what)
-    dev = _map([x, mean], lambda a, m: _op("sub", acc, cast(a, acc), m), acc)
-    sq = ctx.reduce("sum", _map([dev], lambda d: _op("mul", acc, d, d), acc), dims, True, acc,
-                    what=what)
+    """(var, mean), keepdim: two passes (the mean, then the squared deviations), or one
+    where ``ctx.single_pass_stats`` (``_shifted_moments``)."""
     n = sympy.expand(_count(x, dims))
     corr = 1 if correction is None else correction
     if n.is_Number:
@@ -92,8 +89,41 @@ def _var(ctx, x: LT, dims, acc, correction, what="var"):
         d = _num(sympy.expand(n - int(corr)), acc)
     else:
         raise Unsupported("var with a fractional correction over a symbolic size")
+    if ctx.single_pass_stats and dims:
+        sq, mean = _shifted_moments(ctx, x, dims, acc, what)
+    else:
+        mean = _mean(ctx, x, dims, acc, what)
+        dev = _map([x, mean], lambda a, m: _op("sub", acc, cast(a, acc), m), acc)
+        sq = ctx.reduce("sum", _map([dev], lambda e: _op("mul", acc, e, e), acc), dims, True,
+                        acc, what=what)
     var = _map([sq], lambda e: _op("div", acc, e, d), acc)
     return var, mean
+
+
+def _shifted_moments(ctx, x: LT, dims, acc, what: str) -> tuple[LT, LT]:
+    """(sum of squared deviations, mean), keepdim, from one pass over the row: the sums
+    of ``e = x - s`` and ``e * e``, where ``s`` is the row's first element (a shift close
+    to its values, so that ``sum(e*e) - sum(e)**2 / n`` does not cancel the way the
+    unshifted form does where the mean is large against the spread; clamped at 0). The
+    row is read twice (statistics, then the normalisation) instead of three times; an
+    alternative the Verifier races (``agents.launch_alternatives.single_pass_stats``)."""
+    nd = x.ndim
+
+    def first(o):
+        return cast(x.at(tuple(sympy.Integer(0) if j in dims else o[j] for j in range(nd))), acc)
+
+    shift = LT(tuple(sympy.Integer(1) if j in dims else s for j, s in enumerate(x.shape)),
+               acc, first)
+    e = _map([x, shift], lambda a, s: _op("sub", acc, cast(a, acc), s), acc)
+    s1 = ctx.reduce("sum", e, dims, True, acc, what=what)
+    s2 = ctx.reduce("sum", _map([e], lambda v: _op("mul", acc, v, v), acc), dims, True, acc,
+                    what=what)
+    n = _num(_count(x, dims), acc)
+    md = _map([s1], lambda v: _op("div", acc, v, n), acc)
+    mean = _map([shift, md], lambda s, m: _op("add", acc, s, m), acc)
+    sq = _map([s2, s1, md], lambda q, v, m: _op("maximum", acc, _op("sub", acc, q, _op(
+        "mul", acc, v, m)), Const(acc, 0.0)), acc)
+    return sq, mean
 
 
 # ----------------------------------------------------------------------------- plain reductions

@@ -534,3 +534,51 @@ def test_row_norm_split_verifies_on_the_gpu(make, shape):
         torch.testing.assert_close(got, reference(x), rtol=1e-4, atol=1e-4)
     verified = _split_verdicts(backend)
     assert len(verified) >= 2 and all(verified.values()), verified
+
+
+class WideGroupNorm(nn.Module):
+    """A group norm over rows of 32768 (2 samples, 4 groups of 2 x 128 x 128)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gn = nn.GroupNorm(4, 8)
+
+    def forward(self, x):
+        return torch.relu(self.gn(x * 2.0))
+
+
+def test_long_rows_get_a_single_pass_statistics_alternative():
+    """Rows of 32768: the candidate again with the variance summed in the same pass as
+    the mean (shifted by each row's first element), one reduction phase instead of two;
+    it gives the region's outputs, also where the mean is far from the spread."""
+    rec = _graph(WideGroupNorm().train(), torch.randn(2, 8, 128, 128))
+    region = _group_norm_region(rec)
+    alts = {a.name: a for a in TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives}
+    assert "k_sp" in alts, list(alts)
+    (kernel,) = alts["k_sp"].kernels
+    assert {r.phase for r in kernel.ir.inner_reductions} == {0}
+    module = region_module(rec.gm, region)
+    gen = torch.Generator().manual_seed(0)
+    for x in (torch.randn(2, 8, 128, 128, generator=gen),
+              300.0 + 0.01 * torch.randn(2, 8, 128, 128, generator=gen)):
+        inputs = [x if ph.meta["val"].dim() == 4 else torch.rand(ph.meta["val"].shape) + 0.5
+                  for ph in module.graph.find_nodes(op="placeholder")]
+        got = runner_for(alts["k_sp"], base=InterpretedRunner)(*inputs)
+        want = module(*inputs)
+        exact = module(*[t.double() for t in inputs])
+        for g, w, e in zip(got, want, exact):
+            err, eager_err = (g.double() - e).abs().max(), (w.double() - e).abs().max()
+            assert err <= 2 * eager_err + 1e-6 * e.abs().max(), (err, eager_err)
+
+
+def test_short_rows_and_softmax_get_no_single_pass_alternative():
+    """Rows of 8192 (a layer norm that L1 still holds between passes), and a softmax over
+    long rows (its max-then-sum is no variance): no ``_sp`` candidate."""
+    rec = _graph(FewRowsLayerNorm().train(), torch.randn(2, 8, 32, 32))
+    names = [a.name for a in TemplateCoder().propose(
+        subtask_for(rec.gm, _layer_norm_region(rec), "k")).alternatives]
+    assert not any(n.endswith("_sp") for n in names), names
+    rec = _graph(nn.Softmax(dim=-1), torch.randn(4, 32768))
+    region = next(r for r in rec.plan.regions if r.kind.value == "fused")
+    names = [a.name for a in TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives]
+    assert not any(n.endswith("_sp") for n in names), names
