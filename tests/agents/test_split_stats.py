@@ -582,3 +582,23 @@ def test_short_rows_and_softmax_get_no_single_pass_alternative():
     region = next(r for r in rec.plan.regions if r.kind.value == "fused")
     names = [a.name for a in TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives]
     assert not any(n.endswith("_sp") for n in names), names
+
+
+@pytest.mark.gpu
+def test_single_pass_statistics_verify_on_the_gpu():
+    """The ``_sp`` candidate of a group norm over rows of 32768 passes the Verifier on
+    the GPU (also on inputs whose mean is far from their spread), and the compiled model
+    gives eager's result."""
+    torch.manual_seed(0)
+    model = WideGroupNorm().cuda().train()
+    reference = copy.deepcopy(model)
+    backend = StitchBackend(options={"cache": False, "require_speedup": False,
+                                     "channels_last": False})
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for x in (torch.randn(2, 8, 128, 128, device="cuda"),
+                  300.0 + 0.01 * torch.randn(2, 8, 128, 128, device="cuda")):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    verdicts = {a.candidate.name: a.verdict.ok for t in backend.trajectories for a in t.attempts
+                if a.action == "verify" and a.candidate.name.endswith("_sp")}
+    assert verdicts and all(verdicts.values()), verdicts
