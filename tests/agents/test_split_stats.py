@@ -587,18 +587,23 @@ def test_short_rows_and_softmax_get_no_single_pass_alternative():
 @pytest.mark.gpu
 def test_single_pass_statistics_verify_on_the_gpu():
     """The ``_sp`` candidate of a group norm over rows of 32768 passes the Verifier on
-    the GPU (also on inputs whose mean is far from their spread), and the compiled model
-    gives eager's result."""
+    the GPU, and the compiled model's result is as close to fp64 as eager's (DESIGN.md's
+    rule), also on inputs whose mean is far from their spread (there eager's own error
+    is about 4e-3: the input's rounding at 600 against a spread of 0.02)."""
     torch.manual_seed(0)
     model = WideGroupNorm().cuda().train()
     reference = copy.deepcopy(model)
+    exact = copy.deepcopy(model).double()
     backend = StitchBackend(options={"cache": False, "require_speedup": False,
                                      "channels_last": False})
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         for x in (torch.randn(2, 8, 128, 128, device="cuda"),
                   300.0 + 0.01 * torch.randn(2, 8, 128, 128, device="cuda")):
-            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+            want = exact(x.double())
+            err = (compiled(x).double() - want).abs().max().item()
+            eager_err = (reference(x).double() - want).abs().max().item()
+            assert err <= 2 * eager_err + 1e-6, (err, eager_err)
     verdicts = {a.candidate.name: a.verdict.ok for t in backend.trajectories for a in t.attempts
                 if a.action == "verify" and a.candidate.name.endswith("_sp")}
     assert verdicts and all(verdicts.values()), verdicts
