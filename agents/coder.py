@@ -93,7 +93,6 @@ class TemplateCoder:
         cand = self._candidate(subtask, subtask.region_name, stages, list(region.outputs))
         cand.alternatives += launch_alternatives.row_write_layouts(self, subtask, stages)
         cand.alternatives += launch_alternatives.narrow_columns(self, subtask, stages)
-        cand.alternatives += launch_alternatives.cached_values(self, subtask, stages)
         cand.alternatives += launch_alternatives.single_pass_stats(self, subtask, stages)
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:

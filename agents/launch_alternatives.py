@@ -1,9 +1,8 @@
 """Alternatives of a Coder candidate that differ from it only in how a reduction kernel
-is laid out, launched, summed or keeps its rows (the Verifier races each against the
-candidate and keeps the fastest): the column and staged layouts of a reduction that
-writes across its rows, the narrow launch of a column reduction over few rows, rows whose
-passes keep computed values in registers, and variances over long rows in one pass.
-``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
+is laid out, launched or summed (the Verifier races each against the candidate and keeps
+the fastest): the column and staged layouts of a reduction that writes across its rows,
+the narrow launch of a column reduction over few rows, and variances over long rows in
+one pass. ``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
 
@@ -54,23 +53,6 @@ def narrow_columns(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Ca
         return bool(rows.is_Integer) and int(rows) < 8 * coder.sm_count
 
     cand = _swapped(coder, subtask, stages, few_rows, "nrw", layout="column", narrow=True)
-    return [] if cand is None else [cand]
-
-
-def cached_values(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
-    """The candidate again with each inner-layout reduction kernel that streams its row
-    once a pass (the template keeps no loads in registers where a pass calls a math
-    function on each element, softmax's exp) generated with persistent rows that keep
-    the values a later pass needs (``generate(cache_values=True)``,
-    ``persist.value_passes``): MiniGPT's masked softmax then reads its input and mask
-    once and computes each exp once. None where no kernel is such."""
-    def streams(kernel: Any) -> bool:
-        em = getattr(kernel, "emitted", None)
-        return em is not None and em.kind == "reduction" and em.layout == "inner" \
-            and em.vec > 1 and "persist_row" not in em.source
-
-    cand = _swapped(coder, subtask, stages, streams, "pv",
-                    differs=lambda old, new: new.emitted.cached_values > 0, cache_values=True)
     return [] if cand is None else [cand]
 
 
@@ -129,4 +111,4 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                             list(subtask.region.outputs))
 
 
-__all__ = ["cached_values", "narrow_columns", "row_write_layouts", "single_pass_stats"]
+__all__ = ["narrow_columns", "row_write_layouts", "single_pass_stats"]

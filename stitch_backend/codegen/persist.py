@@ -7,11 +7,18 @@ stores):
 
 - ``load_passes`` (the template's): the vector loads that later passes read again, kept
   as loaded. Declined where a pass calls a math function on each element (see below).
-- ``value_passes`` (``emit(cache_values=True)``, an alternative the Verifier races): the
-  largest per-element values that a later pass needs and an earlier one computed, kept
-  in the compute type. A softmax keeps its masked, scaled input after the maximum's pass
-  and its exponentials after the sum's, so each element's ``exp`` is computed once and
-  the last pass reads nothing: three loads and two exps an element become one and one.
+- ``value_passes`` (``generate(cache_values=True)``, not used by the Coder): the largest
+  per-element values that a later pass needs and an earlier one computed, kept in the
+  compute type. A softmax keeps its masked, scaled input after the maximum's pass and
+  its exponentials after the sum's, so each element's ``exp`` is computed once and the
+  last pass reads nothing: three loads and two exps an element become one and one.
+  It lost on an H100 (session 26, ``kb/tune/rows512.py``, ms, L2 flushed): MiniGPT's
+  masked softmax (128, 8, 512, 512) 1.112 against the streaming template's 0.919,
+  softmax 524288x512 0.958 against 0.722, layer norm 65536x768 0.144 against 0.138
+  (its template keeps the loads); fewer chunks a thread over more threads were slower
+  still. The registers it holds (74 a thread at 256 threads a block for the masked
+  softmax) cost more than the passes it saves, which L1 and L2 serve. So the Coder does
+  not propose it; the option stays for tuning (``rows512.py``) and is tested.
 """
 
 from __future__ import annotations

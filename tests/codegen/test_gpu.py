@@ -105,7 +105,7 @@ def test_misaligned_inputs_take_the_scalar_path_with_the_same_bits(built):
 
 def test_cache_values_kernels_match_eager_and_the_template_on_gpu():
     """Every case whose persistent rows keep computed values between passes
-    (``generate(cache_values=True)``, the Coder's ``_pv`` alternative): eager's values
+    (``generate(cache_values=True)``, a tuning option): eager's values
     on fresh inputs, bit-identical on a second launch, and on a misaligned copy (the
     streaming scalar path) the same bits as aligned."""
     from stitch_backend.cuda_driver import CudaModule
