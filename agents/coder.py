@@ -107,27 +107,35 @@ class TemplateCoder:
         only user opens the epilogue (directly, or through the one view a Linear on 3-D
         input adds) with a relu or tanh-gelu, or, after an mm, with the add of a bias row
         (a Linear on 3-D input: mm, view, add), itself perhaps followed by one of those
-        activations: one library call for them, then the rest of the epilogue as usual.
-        None where that does not apply."""
+        activations; or whose value (or view) feeds tanh-gelu written out
+        (``lt_ops.tanh_gelu_chain``): one library call for them, then the rest of the
+        epilogue as usual. None where that does not apply."""
         from stitch_backend import lt_ops
 
         gm = subtask.graph
         nodes = {n.name: n for n in gm.graph.nodes}
         mm = self._lt_anchor(nodes, head.nodes)
-        if mm is None or len(mm.users) != 1:
+        if mm is None:
             return None
         val = mm.meta["val"]
-        (first,) = mm.users
+        views = (aten.view.default, aten._unsafe_view.default)
         view = None
-        if first.target in (aten.view.default, aten._unsafe_view.default) and len(first.users) == 1:
-            view, (first,) = first, first.users    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
+        if len(mm.users) == 1 and next(iter(mm.users)).target in views:
+            view = next(iter(mm.users))    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
         compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
-        chain, bias = lt_ops.lt_chain(mm, view or mm, first, compute)
+        chain, bias, activation = [], None, None
+        first = lt_ops.only_user(view or mm)
+        if first is not None:
+            chain, bias = lt_ops.lt_chain(mm, view or mm, first, compute)
+            activation = lt_ops.activation_epilogue(chain[-1]) if chain else None
+        if not chain:     # tanh-GELU written out (GPT-2's NewGELU), cuBLASLt's GELU
+            chain = lt_ops.tanh_gelu_chain(view or mm, compute)
+            activation = "GELU" if chain else None
         if not chain:
             return None
         act = chain[-1]
         has_bias = mm.target is aten.addmm.default or bias is not None
-        epilogue = lt_ops.epilogue_name(lt_ops.activation_epilogue(act), has_bias)
+        epilogue = lt_ops.epilogue_name(activation, has_bias)
         taken = [view.name] if view is not None else []
         sub = sub_region(gm, list(head.nodes) + taken + [n.name for n in chain],
                          subtask.region_id, 800)

@@ -19,6 +19,7 @@ use (``stitch_backend.runtime``), never at import.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from typing import Any
 
@@ -200,6 +201,58 @@ def lt_chain(mm: torch.fx.Node, product: torch.fx.Node, first: torch.fx.Node,
     return chain, bias
 
 
+def _scalar_arg(node: torch.fx.Node, target: Any, x: Any, value: float) -> bool:
+    """``node`` is ``target(x, value)`` or ``target(value, x)``, ``value`` to 1e-6."""
+    if node.op != "call_function" or node.target is not target or node.kwargs \
+            or len(node.args) != 2 or x not in node.args:
+        return False
+    (other,) = [a for a in node.args if a is not x] or [None]
+    return isinstance(other, (int, float)) and abs(other - value) <= 1e-6 * abs(value)
+
+
+def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one user of ``node``, or None."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def tanh_gelu_chain(x: torch.fx.Node, compute: list[str]) -> list[torch.fx.Node]:
+    """The nodes, in graph order, of tanh-GELU written out on ``x`` (GPT-2's NewGELU,
+    L3 MiniGPT's MLP: ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x ** 3)))``),
+    which cuBLASLt's GELU epilogue computes; the last is its result. [] unless ``x``'s
+    users are exactly those nodes, each intermediate read only by the next, all among
+    ``compute``."""
+    users = list(x.users)
+    if len(users) != 3:
+        return []
+    half = next((u for u in users if _scalar_arg(u, aten.mul.Tensor, x, 0.5)), None)
+    cube = next((u for u in users if _scalar_arg(u, aten.pow.Tensor_Scalar, x, 3.0)), None)
+    inner = next((u for u in users if u.target is aten.add.Tensor and u not in (half, cube)), None)
+    if half is None or cube is None or inner is None:
+        return []
+    scaled = only_user(cube)
+    if scaled is None or not _scalar_arg(scaled, aten.mul.Tensor, cube, 0.044715) \
+            or only_user(scaled) is not inner or set(inner.args) != {x, scaled} or inner.kwargs:
+        return []
+    arg = only_user(inner)
+    if arg is None or not _scalar_arg(arg, aten.mul.Tensor, inner, math.sqrt(2.0 / math.pi)):
+        return []
+    th = only_user(arg)
+    if th is None or th.target is not aten.tanh.default:
+        return []
+    one = only_user(th)
+    if one is None or not _scalar_arg(one, aten.add.Tensor, th, 1.0):
+        return []
+    out = only_user(one)
+    if out is None or out is not only_user(half) or out.target is not aten.mul.Tensor \
+            or set(out.args) != {half, one} or out.kwargs:
+        return []
+    chain = [half, cube, scaled, inner, arg, th, one, out]
+    if not {n.name for n in chain} <= set(compute):
+        return []
+    order = {n: i for i, n in enumerate(x.graph.nodes)}
+    return sorted(chain, key=order.__getitem__)
+
+
 def epilogue_name(activation: str | None, has_bias: bool) -> str:
     """cuBLASLt's epilogue name: the activation's, with _BIAS when a bias is added."""
     if activation is None:
@@ -222,4 +275,4 @@ def lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | No
 
 
 __all__ = ["DTYPES", "activation_epilogue", "epilogue_name", "lt_addmm", "lt_call", "lt_chain",
-           "lt_mm", "lt_mm_bgrad"]
+           "lt_mm", "lt_mm_bgrad", "only_user", "tanh_gelu_chain"]

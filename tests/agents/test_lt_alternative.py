@@ -5,6 +5,8 @@ library call (the call itself is GPU-tested in tests/csrc/test_gemm_lt.py)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -34,6 +36,15 @@ class Linear(nn.Module):
         return (z, y) if self.keep_pre else z
 
 
+def new_gelu(y):
+    """GPT-2's tanh-GELU written out (L3 MiniGPT's MLP)."""
+    return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.044715 * torch.pow(y, 3.0))))
+
+
+def new_gelu_wrong_constant(y):
+    return 0.5 * y * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (y + 0.05 * torch.pow(y, 3.0))))
+
+
 def _gemm_candidates(model, x):
     backend = StitchBackend(options={"codegen": False})
     with torch.no_grad():
@@ -57,7 +68,11 @@ def _reference_matmul(a, b, bias, epilogue):
     (lambda y: F.gelu(y, approximate="tanh"), True, False, "GELU_BIAS", (16, 32)),
     (torch.relu, False, True, "RELU", (16, 32)),
     (lambda y: F.gelu(y, approximate="tanh"), True, True, "GELU_BIAS", (2, 8, 32)),
-], ids=["relu_bias_tail", "tanh_gelu_bias", "relu_no_bias", "tanh_gelu_3d_input"])
+    (new_gelu, True, False, "GELU_BIAS", (16, 32)),
+    (new_gelu, True, True, "GELU_BIAS", (2, 8, 32)),
+    (new_gelu, False, False, "GELU", (2, 8, 32)),
+], ids=["relu_bias_tail", "tanh_gelu_bias", "relu_no_bias", "tanh_gelu_3d_input",
+        "new_gelu_bias", "new_gelu_3d_input_tail", "new_gelu_no_bias_3d"])
 def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue, shape):
     calls = []
 
@@ -87,7 +102,9 @@ def test_alternative_computes_the_region(monkeypatch, act, bias, tail, epilogue,
     Linear(F.gelu),                               # exact GELU: cuBLASLt's is the tanh form
     Linear(torch.relu, keep_pre=True),            # the product itself is an output too
     Linear(torch.sigmoid),                        # no such epilogue
-], ids=["exact_gelu", "pre_activation_used", "sigmoid"])
+    Linear(new_gelu, keep_pre=True),              # written-out GELU, the product an output
+    Linear(new_gelu_wrong_constant),              # not GELU: 0.05 for 0.044715
+], ids=["exact_gelu", "pre_activation_used", "sigmoid", "new_gelu_pre_used", "not_gelu"])
 def test_no_alternative_where_one_call_cannot_do_it(model):
     for _, _, cand in _gemm_candidates(model, torch.randn(16, 32)):
         assert not [a for a in cand.alternatives if a.name.endswith("_lt")]
