@@ -51,7 +51,6 @@ class Step:
         object.__setattr__(self, name, value)
 
 
-
 def unboxed(call_args: tuple) -> list[Any]:
     """A call's inputs as a new list. AOTAutograd calls boxed (one list, cleared here so
     that the inputs can die early) where it sees ``_boxed_call``, and unboxed where a
@@ -61,6 +60,7 @@ def unboxed(call_args: tuple) -> list[Any]:
         call_args[0].clear()
         return inputs
     return list(call_args)
+
 
 class Program:
     """Runs a Plan step by step. Called as ``program(args_list)`` (boxed, as AOT wants)."""

@@ -118,7 +118,7 @@ class ExprEmitter:
         return out
 
     def deps(self, e: Expr) -> set:
-        if e in self.value_uses:
+        if self.value_uses and e in self.value_uses:   # (hashing a deep Expr is not free)
             return set(self.override_deps)
         if isinstance(e, Load):
             if e in self.overrides:
@@ -227,7 +227,7 @@ class ExprEmitter:
             return f"(({compute_ctype(e.dtype)})({self.print_index(e.expr, self.IDX, {})}))"
         if isinstance(e, RedRef):
             return f"(({compute_ctype(e.dtype)}){self.red_names[(e.rid, e.part)]})"
-        if e in self.value_uses:
+        if self.value_uses and e in self.value_uses:
             return self.value_uses[e]
         for s in scope.chain():
             if e in s.names:
@@ -239,7 +239,7 @@ class ExprEmitter:
             self.count += 1
             target.lines.append(f"{target.ind}const {compute_ctype(e.dtype)} {name} = {text};")
             target.names[e] = text = name
-        if e in self.fills:
+        if self.fills and e in self.fills:
             target.lines.append(f"{target.ind}{self.fills[e]} = {text};")
         return text
 
