@@ -256,7 +256,7 @@ class StitchBackend:
         record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
-        if (forced_layout is None and layout is not None and self.config.layout_race
+        if (forced_layout is None and layout is not None and self._races(layout)
                 and self.config.channels_last is None and device != "meta"):
             race = self._layout_race(program, record, layout, stage, traced, example_inputs,
                                      writebacks, dynamo_graph)
@@ -268,6 +268,13 @@ class StitchBackend:
                  ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value]),
                  counts["generated"], key.short, record.compile_ms)
         return program
+
+    def _races(self, layout) -> bool:
+        """Whether to race both layouts of a graph whose layout pass did ``layout``
+        ('auto': where ``auto`` declined on its positions rule, a guess)."""
+        if self.config.layout_race is None:
+            return layout.guess
+        return self.config.layout_race
 
     def _fuse_roots(self, stage: str) -> bool:
         """The Planner's ``defer_roots`` for a graph of ``stage`` ('auto': backward only)."""
@@ -291,11 +298,11 @@ class StitchBackend:
         if forced:
             return layout.to_channels_last(gm, self._notes(), partial=True)
         if self.config.channels_last is None:
-            from .layout_auto import auto_declines
+            from .layout_auto import auto_declines, few_positions
 
             why = auto_declines(gm)
             if why is not None:
-                return gm, layout.LayoutResult(False, why)
+                return gm, layout.LayoutResult(False, why, guess=why == few_positions(gm))
         return layout.to_channels_last(gm, self._notes(),
                                        partial=self.config.channels_last is True)
 

@@ -80,13 +80,16 @@ class Config:
                        "the graph as traced, True keeps only those convolutions NCHW. "
                        "README has the measurements behind the default, 'auto'."),
     )
-    layout_race: bool = field(
-        default=False,
+    layout_race: bool | None = field(
+        default=None,
         metadata=_meta("STITCHCUDA_LAYOUT_RACE", False,
                        "Under channels_last 'auto', compile an inference convolution graph in "
                        "both layouts, time the two Programs on the first real inputs once "
                        "both have settled, and keep the faster (twice the compile time, and "
-                       "the other Program's work in the first calls; layout_race.py)."),
+                       "the other Program's work in the first calls; layout_race.py). "
+                       "'auto' (None, the default): only where 'auto' kept the traced layout "
+                       "for its BatchNorm positions rule, a guess that measurements went "
+                       "both ways on (layout_auto.few_positions)."),
     )
     split_stats: bool = field(
         default=True,

@@ -106,6 +106,7 @@ class LayoutResult:
     whole_graph: int = 0
     whole_why: str = ""
     instance_norms: int = 0  # computed over their own dims (``instance_norm.unmerge_instance_norms``)
+    guess: bool = False      # declined by ``auto``'s positions rule (``layout_auto.few_positions``)
 
     def note(self) -> str:
         if self.applied:

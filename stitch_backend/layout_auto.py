@@ -1,10 +1,12 @@
 """The ``auto`` setting of the channels-last pass (``layout``): the graphs whose traced
 layout it keeps, each rule with the measurement behind it. ``auto_declines`` says why
-(None: the pass rewrites the graph, its precision checks still to come)."""
+(None: the pass rewrites the graph, its precision checks still to come) and whether the
+rule is a guess that measurements went both ways on (``few_positions``: the
+``layout_race`` option's 'auto' then times both layouts)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -30,9 +32,12 @@ _BN_TRAIN = frozenset({aten._native_batch_norm_legit_functional.default,
 
 def auto_declines(gm: torch.fx.GraphModule) -> str | None:
     """Why the ``auto`` setting keeps ``gm``'s traced layout (None: rewrite it)."""
-    why = _strided_layer_norm(gm) or _strided_softmax(gm)
-    if why is not None:
-        return why
+    return (_strided_layer_norm(gm) or _strided_softmax(gm) or _instance_norm(gm)
+            or few_positions(gm))
+
+
+def _training_batch_norms(gm: torch.fx.GraphModule) -> Iterator[tuple[torch.fx.Node, torch.Tensor]]:
+    """``gm``'s training BatchNorms over 4-D or 5-D values, with the value."""
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _BN_TRAIN:
             continue
@@ -41,12 +46,28 @@ def auto_declines(gm: torch.fx.GraphModule) -> str | None:
         if not training:
             continue                     # inference BatchNorm: pointwise, any layout
         x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
-            continue
+        if isinstance(x, torch.Tensor) and x.dim() in (4, 5):
+            yield node, x
+
+
+def _instance_norm(gm: torch.fx.GraphModule) -> str | None:
+    for node, _ in _training_batch_norms(gm):
         if merges_batch_into_channels(node.args[0]):
             return (f"auto: {node.name} is an instance norm, whose statistics read rows of "
                     "the traced layout (channels_last=True forces the rewrite, and computes "
                     "them over the value's own dims where it can)")
+    return None
+
+
+def few_positions(gm: torch.fx.GraphModule) -> str | None:
+    """Why ``gm``'s training BatchNorms keep its traced layout (too few positions per
+    channel), or None. The rule is a guess: forced NHWC, ResNet18 and MobileNetV1 (below
+    the threshold) ran faster on an H100 in session 24 and ResNet18 again in session 26
+    (0.548 against 0.586 ms), MobileNetV2 and EfficientNetB0 slower (``layout_race``'s
+    docstring); so the ``layout_race`` option's 'auto' times both layouts there."""
+    for node, x in _training_batch_norms(gm):
+        if merges_batch_into_channels(node.args[0]):
+            continue
         positions = x.numel() // x.shape[1]
         if positions < AUTO_MIN_POSITIONS:
             return (f"auto: {node.name} computes BatchNorm statistics over {positions} "
@@ -112,4 +133,4 @@ def _conv_source(node: Any) -> torch.fx.Node | None:
     return None
 
 
-__all__ = ["AUTO_MIN_POSITIONS", "auto_declines"]
+__all__ = ["AUTO_MIN_POSITIONS", "auto_declines", "few_positions"]

@@ -31,7 +31,8 @@ class ConvBiasNet(nn.Module):
 
 def _run(model, x, **options):
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "require_speedup": False, **options})
+                                     "require_speedup": False, "layout_race": False,
+                                     **options})
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():

@@ -189,8 +189,9 @@ def test_grouped_convolutions_are_left_alone():
 
 
 def _auto_notes(model, x):
+    """The channels-last notes of ``model``'s one record under ``auto`` (not raced)."""
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
-                                     "channels_last": "auto"})
+                                     "channels_last": "auto", "layout_race": False})
     with torch.no_grad():
         torch.compile(model, backend=backend)(x)
     (rec,) = backend.records

@@ -177,8 +177,10 @@ def test_compiled_model_applies_each_mutation_once_per_call(options):
     torch.testing.assert_close(model.bn.running_mean, ref.bn.running_mean)
     torch.testing.assert_close(model.bn.running_var, ref.bn.running_var)
     torch.testing.assert_close(acc, ref_acc)
-    (rec,) = backend.records
-    assert any("mutated input(s)" in n and "written back" in n for n in rec.notes), rec.notes
+    # the interpreter's graph is raced in both layouts ('auto': few BatchNorm positions)
+    assert len(backend.records) == (2 if "cpu_interpret" in options else 1)
+    for rec in backend.records:
+        assert any("mutated input(s)" in n and "written back" in n for n in rec.notes), rec.notes
 
 
 def test_a_graph_the_backend_cannot_compile_keeps_its_mutations(monkeypatch):

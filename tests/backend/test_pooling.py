@@ -41,7 +41,8 @@ def _pool_net():
     torch.manual_seed(0)
     model = PoolNet().train()
     return model, copy.deepcopy(model), StitchBackend(options={
-        "cpu_interpret": True, "cache": False, "require_speedup": False})
+        "cpu_interpret": True, "cache": False, "require_speedup": False,
+        "layout_race": False})
 
 
 def test_disjoint_pooling_runs_as_a_generated_amax_with_eager_values():
