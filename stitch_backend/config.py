@@ -89,7 +89,8 @@ class Config:
                        "the other Program's work in the first calls; layout_race.py). "
                        "'auto' (None, the default): only where 'auto' kept the traced layout "
                        "for its BatchNorm positions rule, a guess that measurements went "
-                       "both ways on (layout_auto.few_positions)."),
+                       "both ways on (layout_auto.few_positions), or where the rewrite runs "
+                       "a convolution with cuDNN's TF32 off (precision)."),
     )
     split_stats: bool = field(
         default=True,

@@ -18,7 +18,9 @@ aten = torch.ops.aten
 
 
 def _compile(model, x, **options):
-    options = {"cpu_interpret": True, "cache": False, "channels_last": True, **options}
+    # one record a graph: the layout race has its own tests (test_layout_race.py)
+    options = {"cpu_interpret": True, "cache": False, "channels_last": True,
+               "layout_race": False, **options}
     backend = StitchBackend(options=options)
     compiled = torch.compile(model, backend=backend)
     return backend, compiled
@@ -37,6 +39,19 @@ def outputs_fail(monkeypatch):
 
     monkeypatch.setattr(layout, "outputs_hold",
                         lambda *args, **kw: GraphVerdict(False, "outputs fail (the test)"))
+
+
+def tf32_noisy(monkeypatch):
+    """Every convolution's TF32 NHWC result noisy, its TF32-off one exact (the CPU has no
+    TF32 to do it)."""
+    real = layout.conv_outputs
+
+    def tf32_noise(node, exact=False):
+        traced, nhwc, fp64 = real(node, exact)
+        return traced, nhwc if exact else nhwc + 1e-3 * torch.randn_like(nhwc), fp64
+
+    monkeypatch.setattr(layout, "conv_outputs", tf32_noise)
+    monkeypatch.setattr(layout, "tf32_may_apply", lambda node: True)
 
 
 def _check(model_factory, x, train_mode=True, **options):
@@ -563,14 +578,7 @@ def test_auto_declines_a_layer_norm_over_trailing_sizes():
 def test_auto_keeps_a_3d_convolution_exact_only_without_tf32_as_traced(monkeypatch, outputs_fail):
     """A 3-D convolution that channels-last needs TF32 off for: ``auto`` keeps the graph
     as traced (slower so on the H200), a forced rewrite runs it NHWC with TF32 off."""
-    real = layout.conv_outputs
-
-    def tf32_noise(node, exact=False):
-        traced, nhwc, fp64 = real(node, exact)
-        return traced, nhwc if exact else nhwc + 1e-3 * torch.randn_like(nhwc), fp64
-
-    monkeypatch.setattr(layout, "conv_outputs", tf32_noise)
-    monkeypatch.setattr(layout, "tf32_may_apply", lambda node: True)
+    tf32_noisy(monkeypatch)
     model = lambda: nn.Sequential(nn.Conv3d(3, 8, 3, padding=1), nn.ReLU())  # noqa: E731
     x = torch.randn(2, 3, 6, 6, 6)
     torch.manual_seed(0)

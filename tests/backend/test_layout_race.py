@@ -130,6 +130,22 @@ def test_auto_races_only_where_the_positions_rule_declined():
     assert _layouts(ConvBNNet().eval(), x) == ([True], False)
 
 
+def test_auto_races_a_rewrite_that_turned_tf32_off(monkeypatch):
+    """A rewrite whose convolution is as accurate channels-last only with cuDNN's TF32
+    off (simulated on the CPU: noise on the TF32 NHWC result, the graph's outputs failing
+    too) is raced against the traced layout, where the convolution runs as eager's."""
+    from stitch_backend import layout
+    from stitch_backend.graph_precision import GraphVerdict
+    from tests.backend.test_layout import tf32_noisy
+
+    tf32_noisy(monkeypatch)
+    monkeypatch.setattr(layout, "outputs_hold", lambda *a, **kw: GraphVerdict(False, "test"))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 12, 12)
+    assert _layouts(model, x) == ([True, False], True)
+    assert _layouts(model, x, layout_race=False) == ([True], False)
+
+
 def test_no_race_where_the_other_layout_does_not_apply():
     """Grouped convolutions (several input channels a group) are not rewritten even when
     forced: one record, whose note says why the race did not run."""
