@@ -196,6 +196,9 @@ class StitchBackend:
             for x in example_inputs)
         # layout first: a pooling of a channels-last value is rewritten along C
         traced = gm
+        race_note = None
+        if forced_layout is None:       # an earlier process's race decides, if one ran
+            forced_layout, race_note = self._remembered_race(gm, stage, device, dynamic)
         gm, layout = self._layout(gm, stage, device, dynamic, forced_layout)
         gm, pools = self._pools(gm, device)
         gm, biases = self._conv_bias(gm, device)
@@ -210,6 +213,8 @@ class StitchBackend:
         if layout is not None:
             record.layout_applied = layout.applied
             notes.append(layout.note())
+        if race_note is not None:
+            notes.append(race_note)
         if pools:
             notes.append(f"{pools} pooling(s) over disjoint windows run as amax/mean "
                          "reductions the Coder generates")
@@ -315,7 +320,7 @@ class StitchBackend:
         """A LayoutRace of ``program`` against the same graph compiled in the other layout,
         or None (with a note) where the other layout does not apply."""
         from . import cudagraphs
-        from .layout_race import LayoutRace
+        from .layout_race import LayoutRace, race_key
 
         other = not result.applied
         second = self._compile_graph(stage, traced, example_inputs, writebacks,
@@ -332,8 +337,26 @@ class StitchBackend:
                  "channels-last" if other else "the traced layout"]
         record.notes.append(f"layout race: against {rec2.name} ({names[1]})")
         rec2.notes.append(f"layout race: against {record.name} ({names[0]})")
+        store = self._notes()      # where the verdict is kept for later processes
+        key = (None if store is None else
+               race_key(traced, self.config.code_options(), self._arch(record.device)))
         return LayoutRace(program, second, [record, rec2], names,
-                          draws_random=cudagraphs.draws_random(traced))
+                          draws_random=cudagraphs.draws_random(traced), store=store, key=key)
+
+    def _remembered_race(self, gm: torch.fx.GraphModule, stage: str, device: str,
+                         dynamic: bool) -> tuple[bool | None, str | None]:
+        """The layout an earlier process's race kept for ``gm`` (the cache's notes, same
+        GPU, versions and options) and the note saying so; (None, None) where none is
+        stored or the layout is not this backend's to choose."""
+        from . import layout
+        from .layout_race import remembered_layout
+
+        if (self.config.layout_race is False or self.config.channels_last is not None
+                or stage != "inference" or dynamic or not self._runs_kernels(device)
+                or not layout.convolutions(gm)):
+            return None, None
+        return remembered_layout(self._notes(), gm, self.config.code_options(),
+                                 self._arch(device))
 
     def _traced_check(self, traced: torch.fx.GraphModule):
         """The first-call check of a graph whose channels-last rewrite kept TF32

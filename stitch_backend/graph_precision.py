@@ -79,7 +79,7 @@ def outputs_hold(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule,
                  notes: Any = None) -> GraphVerdict:
     """Judge ``rewritten`` against ``traced`` (and its fp64 run) at the graph's outputs,
     or read the verdict an earlier process stored in ``notes`` (a cache Store)."""
-    key = _note_key(traced)
+    key = graph_note_key(traced)
     stored = read_note(notes, NOTE_KIND, key, _valid)
     if stored is not None:
         return GraphVerdict(bool(stored["ok"]), stored["why"])
@@ -129,7 +129,7 @@ def _judge(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> Gra
 def remember_failure(notes: Any, traced: torch.fx.GraphModule, why: str) -> None:
     """Keep in ``notes`` (a cache Store, or None) that the rewrite of ``traced`` failed
     the rule on a user's real inputs, so a later compile keeps its traced layout."""
-    write_note(notes, NOTE_KIND, _note_key(traced), {"ok": False, "why": why})
+    write_note(notes, NOTE_KIND, graph_note_key(traced), {"ok": False, "why": why})
 
 
 def _bytes_needed(gm: torch.fx.GraphModule, metas: list[torch.Tensor]) -> int | None:
@@ -217,7 +217,7 @@ def _tensors(outputs: Any) -> list[torch.Tensor]:
     return [t for t in flatten_outputs(outputs) if isinstance(t, torch.Tensor)]
 
 
-def _note_key(gm: torch.fx.GraphModule) -> dict:
+def graph_note_key(gm: torch.fx.GraphModule) -> dict:
     """What a stored verdict depends on: the graph, the devices, the versions and every
     flag that steers cuDNN's choice of kernel."""
     from .graph import canonical_graph
@@ -245,4 +245,5 @@ def _valid(value: Any) -> bool:
             and isinstance(value.get("why"), str))
 
 
-__all__ = ["DRAWS", "GraphVerdict", "NOTE_KIND", "cudnn_flags", "outputs_hold", "remember_failure"]
+__all__ = ["DRAWS", "GraphVerdict", "NOTE_KIND", "cudnn_flags", "graph_note_key", "outputs_hold",
+           "remember_failure"]

@@ -12,7 +12,9 @@ running statistics) put back afterwards and the random generators kept; then bot
 timed, interleaved, and every later call runs the faster. Each Program has its own
 record, and the notes of both say what was raced and kept. It costs a second compile
 and the second Program's work in the first calls; the loser's CUDA graph (its memory
-pool) is released once the race is decided, its kernels stay loaded.
+pool) is released once the race is decided, its kernels stay loaded. The verdict is kept
+in the cache's notes (``remembered``, ``remember``): a later process compiling the same
+graph on the same GPU, versions and options builds the winner's layout alone.
 """
 
 from __future__ import annotations
@@ -22,15 +24,50 @@ import logging
 from typing import Any, Iterator, Sequence
 
 import torch
+import torch.fx
 
 from . import cudagraphs
 from .mutations import restored
+from .notes import read_note, write_note
 from .program import unboxed
 
 log = logging.getLogger("stitch_backend.layout_race")
 
 # Decide at the latest on this call, settled or not (a Program that never settles).
 LATEST_CALL = 8
+NOTE_KIND = "layout-race-1"
+
+
+def race_key(traced: torch.fx.GraphModule, options: dict[str, Any], arch: str) -> dict:
+    """What a race's verdict depends on: the graph as traced and its inputs, the GPU, the
+    versions, cuDNN's flags (``graph_precision.graph_note_key``), the arch and the options
+    that change the generated code."""
+    from .graph_precision import graph_note_key
+
+    return {**graph_note_key(traced), "arch": arch, "options": options}
+
+
+def remembered(store: Any, key: dict) -> dict | None:
+    """The verdict an earlier race stored under ``key`` in ``store`` (a cache Store, or
+    None): ``{"channels_last": bool, "timing": str}``; None where there is none."""
+    return read_note(store, NOTE_KIND, key, _valid)
+
+
+def remembered_layout(store: Any, traced: torch.fx.GraphModule, options: dict[str, Any],
+                      arch: str) -> tuple[bool | None, str | None]:
+    """Whether an earlier race of ``traced`` kept channels-last (``store``: a cache Store,
+    or None), and the note saying so; (None, None) where none is stored."""
+    found = None if store is None else remembered(store, race_key(traced, options, arch))
+    if found is None:
+        return None, None
+    kept = "channels-last" if found["channels_last"] else "the traced layout"
+    return found["channels_last"], ("layout race: decided by an earlier process (the "
+                                    f"cache's notes): {found['timing']}; {kept} runs")
+
+
+def _valid(value: Any) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("channels_last"), bool)
+            and isinstance(value.get("timing"), str))
 
 
 class LayoutRace:
@@ -39,11 +76,12 @@ class LayoutRace:
     two Programs' GraphRecords (for their notes); ``names`` say which layout each runs."""
 
     def __init__(self, first: Any, second: Any, records: Sequence[Any], names: Sequence[str],
-                 draws_random: bool):
+                 draws_random: bool, store: Any = None, key: dict | None = None):
         self.programs = [first, second]
         self.records = list(records)
         self.names = list(names)
         self.draws_random = draws_random
+        self.store, self.key = store, key     # where the verdict is kept (None: nowhere)
         self.calls = 0
         self.choice: Any = None
         self._boxed_call = True     # AOTAutograd calls with one list, as it does a Program
@@ -98,6 +136,8 @@ class LayoutRace:
                              + ("this Program runs" if i == win else "the other Program runs"))
         log.info("stitchcuda: layout race of %s: %s; %s kept",
                  ", ".join(r.name for r in self.records), timing, self.names[win])
+        write_note(self.store, NOTE_KIND, self.key,
+                   {"channels_last": self.names[win] == "channels-last", "timing": timing})
         loser = self.programs[1 - win]
         if loser.replay is not None:
             loser.replay = None     # its CUDA graph and static buffers go with it
@@ -110,4 +150,5 @@ class LayoutRace:
             rec.notes.append(text)
 
 
-__all__ = ["LATEST_CALL", "LayoutRace"]
+__all__ = ["LATEST_CALL", "LayoutRace", "NOTE_KIND", "race_key", "remembered",
+           "remembered_layout"]

@@ -187,3 +187,32 @@ def test_race_on_the_gpu_gives_eager_results():
             torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
     notes = [n for r in backend.records for n in r.notes if "layout race" in n]
     assert any("this Program runs" in n for n in notes), notes
+
+
+def test_a_later_process_builds_the_remembered_winner_alone(tmp_path):
+    """The race's verdict goes into the cache's notes; a later compile of the same graph
+    (same options, device and versions) builds the winner's layout alone, says so, and
+    gives eager's results; a different input shape is raced again."""
+    from stitch_backend import layout_race
+
+    options = {"cpu_interpret": True, "cache": True, "cache_dir": str(tmp_path),
+               "require_speedup": False}
+    model, reference, backend, compiled, x = _raced(**options)
+    with torch.no_grad():
+        for _ in range(4):
+            compiled(x)
+    (won,) = [r.layout_applied for r in backend.records
+              if any("this Program runs" in n for n in r.notes)]
+    assert len(list((tmp_path / "notes" / layout_race.NOTE_KIND).iterdir())) == 1
+
+    torch._dynamo.reset()
+    again = StitchBackend(options={**options, "layout_race": None})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=again)(x), reference(x),
+                                   rtol=1e-4, atol=1e-4)
+    (rec,) = again.records
+    assert rec.layout_applied is won
+    assert any(n.startswith("layout race: decided by an earlier process (the cache's "
+                            "notes): ") for n in rec.notes), rec.notes
+    assert _layouts(ConvBNNet().train(), torch.randn(2, 3, 10, 10),
+                    cache=True, cache_dir=str(tmp_path)) == ([False, True], True)
