@@ -108,8 +108,9 @@ class TemplateCoder:
         input adds) with a relu or tanh-gelu, or, after an mm, with the add of a bias row
         (a Linear on 3-D input: mm, view, add), itself perhaps followed by one of those
         activations; or whose value (or view) feeds tanh-gelu written out
-        (``lt_ops.tanh_gelu_chain``): one library call for them, then the rest of the
-        epilogue as usual. None where that does not apply."""
+        (``lt_ops.tanh_gelu_chain``); or the add of a residual (``lt_ops.residual_chain``,
+        cuBLASLt's C): one library call for them, then the rest of the epilogue as usual.
+        None where that does not apply."""
         from stitch_backend import lt_ops
 
         gm = subtask.graph
@@ -131,6 +132,10 @@ class TemplateCoder:
         if not chain:     # tanh-GELU written out (GPT-2's NewGELU), cuBLASLt's GELU
             chain = lt_ops.tanh_gelu_chain(view or mm, compute)
             activation = "GELU" if chain else None
+        residual = None
+        if not chain:     # a residual added to the product: cuBLASLt's C
+            chain, residual = lt_ops.residual_chain(view or mm, compute,
+                                                    set(subtask.region.inputs))
         if not chain:
             return None
         act = chain[-1]
@@ -145,7 +150,8 @@ class TemplateCoder:
         l_mm, l_act = local[mm.name], local[act.name]
         with graph.inserting_before(l_act):
             call = lt_ops.lt_call(graph, l_mm, local[bias.name] if bias is not None else None,
-                            epilogue)
+                                  epilogue,
+                                  local[residual.name] if residual is not None else None)
             result = call
             if view is not None:
                 l_view = local[view.name]
@@ -177,7 +183,8 @@ class TemplateCoder:
         # The source names what runs (the cache finds a stored winner by its hash) and
         # compiles as the epilogue's kernels, if any.
         header = (f"// {subtask.region_name}_lt: cuBLASLt {mm.target}"
-                  f"{' + bias' if has_bias else ''} with epilogue {epilogue} "
+                  f"{' + bias' if has_bias else ''}"
+                  f"{' + residual (C, beta 1)' if residual is not None else ''} with epilogue {epilogue} "
                   f"({', '.join(str(n.target) for n in chain)}), "
                   f"{tuple(val.shape)} {val.dtype}\n")
         return Candidate(region_id=subtask.region_id, origin=self.origin,

@@ -52,11 +52,14 @@ def _tf32(a: torch.Tensor) -> bool:
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-            epilogue: str) -> torch.Tensor:
+            epilogue: str, c: torch.Tensor | None = None) -> torch.Tensor:
+    """``epilogue(a @ b (+ c) (+ bias))``: ``c``, where given, added with beta = 1."""
     lt = _runtime()
     tf32 = _tf32(a)
-    algo = _choose(a, b, bias, epilogue, tf32)
-    return lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo)
+    added = {} if c is None else {"c": c, "beta": 1.0}
+    algo = _choose(a, b, bias, epilogue, tf32, added)
+    return lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo,
+                     **added)
 
 
 def _bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +72,12 @@ def _bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
-            tf32: bool) -> int:
-    """The algorithm index for this problem: remembered by this process, else stored in
-    the cache (``remember_in``), else timed now and remembered in both."""
-    key = _problem(a, b, bias, epilogue, tf32)
+            tf32: bool, added: dict[str, Any] | None = None) -> int:
+    """The algorithm index for this problem (``added``: the ``c`` and ``beta`` of a
+    residual): remembered by this process, else stored in the cache (``remember_in``),
+    else timed now and remembered in both."""
+    added = added or {}
+    key = _problem(a, b, bias, epilogue, tf32, added.get("c"))
     algo = _algos.get(key)
     if algo is not None:
         return algo
@@ -85,7 +90,7 @@ def _choose(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogu
     algo = read_note(store, NOTE_KIND, note, _valid_algo)
     if algo is None:
         algo = _runtime().tune(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32,
-                        max_algos=TUNE_ALGOS, iters=TUNE_ITERS)
+                               max_algos=TUNE_ALGOS, iters=TUNE_ITERS, **added)
         write_note(store, NOTE_KIND, note, algo)
     _algos[key] = algo
     return algo
@@ -134,9 +139,11 @@ def _alignment(t: torch.Tensor | None) -> int:
 
 
 def _problem(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, epilogue: str,
-             tf32: bool) -> tuple:
-    return (a.device.index, a.dtype, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(),
-            epilogue, bias is not None, tf32, _alignment(a), _alignment(b), _alignment(bias))
+             tf32: bool, c: torch.Tensor | None = None) -> tuple:
+    key = (a.device.index, a.dtype, tuple(a.shape), a.stride(), tuple(b.shape), b.stride(),
+           epilogue, bias is not None, tf32, _alignment(a), _alignment(b), _alignment(bias))
+    # a residual's problem (C read) is another one; without, the key is as it was
+    return key if c is None else key + ("residual", c.stride(), _alignment(c))
 
 
 def lt_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, epilogue: str) -> torch.Tensor:
@@ -147,6 +154,13 @@ def lt_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, epilogue: str
 def lt_mm(a: torch.Tensor, b: torch.Tensor, epilogue: str) -> torch.Tensor:
     """``act(a @ b)``, in one cuBLASLt call."""
     return _matmul(a, b, None, epilogue)
+
+
+def lt_residual(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+                residual: torch.Tensor, epilogue: str) -> torch.Tensor:
+    """``a @ b (+ bias) + residual`` in one cuBLASLt call: the residual is its C
+    (beta = 1), read by the product's epilogue instead of by a kernel after it."""
+    return _matmul(a, b, bias, epilogue, residual)
 
 
 def lt_mm_bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,6 +267,34 @@ def tanh_gelu_chain(x: torch.fx.Node, compute: list[str]) -> list[torch.fx.Node]
     return sorted(chain, key=order.__getitem__)
 
 
+def residual_chain(product: torch.fx.Node, compute: list[str], inputs: set[str]
+                   ) -> tuple[list[torch.fx.Node], torch.fx.Node | None]:
+    """After ``product`` (a product or the one view after it), its only user opening the
+    epilogue's ``compute`` nodes: perhaps a clone (a dropout of p = 0 traces to one; L3
+    MiniGPT's residual branches), then the add of a region input (``inputs``) of the
+    product's shape and dtype, contiguous, no alpha: cuBLASLt's C with beta = 1. ([],
+    None) where that does not apply; else (the nodes, the residual)."""
+    node, src, chain = only_user(product), product, []
+    if node is None or not compute or node.name != compute[0]:
+        return [], None
+    if node.target is aten.clone.default and node.kwargs.get(
+            "memory_format", torch.preserve_format) in (torch.preserve_format,
+                                                        torch.contiguous_format):
+        chain, src, node = [node], node, only_user(node)
+    if (node is None or node.target is not aten.add.Tensor or node.kwargs
+            or len(node.args) != 2 or node.name not in compute):
+        return [], None
+    others = [x for x in node.args if x is not src]
+    want = product.meta.get("val")
+    res = others[0] if len(others) == 1 and isinstance(others[0], torch.fx.Node) else None
+    rv = res.meta.get("val") if res is not None and res.name in inputs else None
+    if (not isinstance(rv, torch.Tensor) or not isinstance(want, torch.Tensor)
+            or tuple(rv.shape) != tuple(want.shape) or rv.dtype != want.dtype
+            or not rv.is_contiguous()):
+        return [], None
+    return chain + [node], res
+
+
 def epilogue_name(activation: str | None, has_bias: bool) -> str:
     """cuBLASLt's epilogue name: the activation's, with _BIAS when a bias is added."""
     if activation is None:
@@ -261,10 +303,18 @@ def epilogue_name(activation: str | None, has_bias: bool) -> str:
 
 
 def lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | None,
-             epilogue: str) -> torch.fx.Node:
+            epilogue: str, residual: torch.fx.Node | None = None) -> torch.fx.Node:
     """The ``lt_ops`` call computing ``l_mm`` (an addmm's own bias, or ``bias`` added to an
-    mm) with ``epilogue``, inserted at the graph's insertion point, with ``l_mm``'s meta."""
-    if l_mm.target is aten.addmm.default:
+    mm) with ``epilogue`` (and ``residual``, viewed as the product, added as C), inserted
+    at the graph's insertion point, with ``l_mm``'s meta."""
+    if residual is not None:
+        addmm = l_mm.target is aten.addmm.default
+        a, b = l_mm.args[1:3] if addmm else l_mm.args[:2]
+        shape = list(l_mm.meta["val"].shape)
+        c = graph.call_function(aten.view.default, (residual, shape))
+        call = graph.call_function(lt_residual, (a, b, l_mm.args[0] if addmm else bias, c,
+                                                 epilogue))
+    elif l_mm.target is aten.addmm.default:
         call = graph.call_function(lt_addmm, (*l_mm.args[:3], epilogue))
     elif bias is not None:
         call = graph.call_function(lt_addmm, (bias, *l_mm.args[:2], epilogue))
@@ -275,4 +325,5 @@ def lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | No
 
 
 __all__ = ["DTYPES", "activation_epilogue", "epilogue_name", "lt_addmm", "lt_call", "lt_chain",
-           "lt_mm", "lt_mm_bgrad", "only_user", "tanh_gelu_chain"]
+           "lt_mm", "lt_mm_bgrad", "lt_residual", "only_user", "residual_chain",
+           "tanh_gelu_chain"]
