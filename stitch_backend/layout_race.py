@@ -13,8 +13,9 @@ timed, interleaved, and every later call runs the faster. Each Program has its o
 record, and the notes of both say what was raced and kept. It costs a second compile
 and the second Program's work in the first calls; the loser's CUDA graph (its memory
 pool) is released once the race is decided, its kernels stay loaded. The verdict is kept
-in the cache's notes (``remembered``, ``remember``): a later process compiling the same
-graph on the same GPU, versions and options builds the winner's layout alone.
+in the cache's notes (``LayoutRace`` writes it, ``remembered_layout`` reads it): a later
+process compiling the same graph on the same GPU, versions and options builds the
+winner's layout alone.
 """
 
 from __future__ import annotations
