@@ -216,3 +216,29 @@ def test_a_later_process_builds_the_remembered_winner_alone(tmp_path):
                             "notes): ") for n in rec.notes), rec.notes
     assert _layouts(ConvBNNet().train(), torch.randn(2, 3, 10, 10),
                     cache=True, cache_dir=str(tmp_path)) == ([False, True], True)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_remembered_race_builds_one_program(tmp_path):
+    """On the GPU: the race decides and stores its verdict; a second compile (a new
+    process, as far as the backend knows) builds the winner alone, with eager's values."""
+    torch.manual_seed(0)
+    model = ConvBNNet().cuda().train()
+    reference = copy.deepcopy(model)
+    options = {"cache": True, "cache_dir": str(tmp_path)}
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        first = StitchBackend(options=options)
+        compiled = torch.compile(model, backend=first)
+        for _ in range(10):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+        (won,) = [r.layout_applied for r in first.records
+                  if any("this Program runs" in n for n in r.notes)]
+        torch._dynamo.reset()
+        again = StitchBackend(options=options)
+        compiled = torch.compile(model, backend=again)
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), reference(x), rtol=1e-4, atol=1e-4)
+    (rec,) = again.records
+    assert rec.layout_applied is won
+    assert any("decided by an earlier process" in n for n in rec.notes), rec.notes
