@@ -59,6 +59,15 @@ def test_option_types_checked_and_env_read_in_config(monkeypatch):
         assert StitchBackend().config.cudagraphs is False
     assert "cache_dir" not in config.Config().code_options()
     assert "codegen" in config.Config().code_options()
+    # three-way options: 'auto' is None, from the environment or per compile
+    assert config.Config().layout_race is None
+    monkeypatch.setenv("STITCHCUDA_LAYOUT_RACE", "off")
+    assert config.Config.from_env().layout_race is False
+    monkeypatch.setenv("STITCHCUDA_LAYOUT_RACE", "auto")
+    assert config.Config.from_env().layout_race is None
+    assert StitchBackend(options={"layout_race": True}).config.layout_race is True
+    with pytest.raises(InvalidOptionError, match="expected a boolean"):
+        StitchBackend(options={"layout_race": "sometimes"})
 
 
 def test_dynamic_shapes_three_batch_sizes():
