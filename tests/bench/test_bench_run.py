@@ -68,7 +68,12 @@ def test_full_run_writes_records_and_summary(full_run, capsys):
             assert r.status == "ok", r.error
             assert r.correct_kernelbench and r.correct_design, r.reason
             assert r.clock == "cpu" and r.median_ms > 0 and r.runs == 3
-            assert r.eager_deterministic is True and r.eager_output_varies is True
+            # eager twice on the same inputs: the fields agree with each other; the GRU
+            # cell's CPU GEMMs may not repeat bit for bit (3.9e-05 apart once in a
+            # fresh-clone CI run), the softmax always does
+            assert r.eager_deterministic is (r.determinism_max_abs == 0.0)
+            assert r.eager_deterministic is True or task == "gru_cell", r.determinism_max_abs
+            assert r.eager_output_varies is True
             assert r.mode == "train" and r.device == "cpu"
             assert r.wall_s >= r.median_ms * r.runs / 1e3 and r.references_s > 0
         assert by[(task, "aot_eager")].cold_first_call_s > 0
