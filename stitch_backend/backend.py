@@ -26,6 +26,7 @@ from .decompositions import decomposition_table
 from .exc import InvalidOptionError
 from .graph import GraphKey, graph_key
 from .ir import Plan, RegionKind
+from .layout_race import races
 from .memplan import MemoryEstimate
 from .memplan import estimate as estimate_memory
 from .mutations import Writeback, aot_mutated_inputs, strip_input_mutations
@@ -261,7 +262,8 @@ class StitchBackend:
         record.compile_ms = (time.perf_counter() - t0) * 1e3
         self.records.append(record)
         _ALL_RECORDS.append(record)
-        if (forced_layout is None and layout is not None and self._races(layout)
+        if (forced_layout is None and layout is not None
+                and races(self.config.layout_race, layout)
                 and self.config.channels_last is None and device != "meta"):
             race = self._layout_race(program, record, layout, stage, traced, example_inputs,
                                      writebacks, dynamo_graph)
@@ -273,16 +275,6 @@ class StitchBackend:
                  ", ".join(f"{counts[k.value]} {k.value}" for k in RegionKind if counts[k.value]),
                  counts["generated"], key.short, record.compile_ms)
         return program
-
-    def _races(self, layout) -> bool:
-        """Whether to race both layouts of a graph whose layout pass did ``layout``
-        ('auto': where ``auto`` declined on its positions rule, a guess; or where the
-        rewrite runs a convolution with cuDNN's TF32 off, which the traced layout runs
-        as eager does: on an H100, KernelBench L2 92's convolution took 1.41 ms so,
-        session 26, and its whole graph 3.25 ms against Inductor's 1.54)."""
-        if self.config.layout_race is None:
-            return layout.guess or (layout.applied and layout.exact > 0)
-        return self.config.layout_race
 
     def _fuse_roots(self, stage: str) -> bool:
         """The Planner's ``defer_roots`` for a graph of ``stage`` ('auto': backward only)."""
@@ -320,8 +312,12 @@ class StitchBackend:
         """A LayoutRace of ``program`` against the same graph compiled in the other layout,
         or None (with a note) where the other layout does not apply."""
         from . import cudagraphs
-        from .layout_race import LayoutRace, race_key
+        from .layout_race import LayoutRace, race_key, too_large
 
+        big = too_large(traced, record.device)
+        if big is not None:
+            record.notes.append(f"layout race: not run, {big}")
+            return None
         other = not result.applied
         second = self._compile_graph(stage, traced, example_inputs, writebacks,
                                      dynamo_graph=dynamo_graph, forced_layout=other)

@@ -37,6 +37,48 @@ log = logging.getLogger("stitch_backend.layout_race")
 # Decide at the latest on this call, settled or not (a Program that never settles).
 LATEST_CALL = 8
 NOTE_KIND = "layout-race-1"
+# Until it is decided, the race holds both Programs (their CUDA graphs' static buffers,
+# their intermediates): it runs only where the traced graph's peak op by op fits this
+# share of the GPU's free memory.
+MEMORY_SHARE = 0.25
+
+
+def races(option: bool | None, result: Any) -> bool:
+    """Whether ``layout_race`` (``option``) races both layouts of a graph whose layout
+    pass did ``result`` (a ``layout.LayoutResult``). 'auto' (None): where ``auto``
+    declined on its positions rule, a guess; or where the rewrite runs a convolution
+    with cuDNN's TF32 off, which the traced layout runs as eager does (on an H100,
+    KernelBench L2 92's convolution took 1.41 ms so, session 26, and its whole graph
+    3.25 ms against Inductor's 1.54; raced, 1.97)."""
+    if option is None:
+        return result.guess or (result.applied and result.exact > 0)
+    return option
+
+
+def too_large(traced: torch.fx.GraphModule, device: str) -> str | None:
+    """Why holding a second Program of ``traced`` could run ``device`` out of memory, or
+    None (CPU graphs: no limit here)."""
+    from .memplan import graph_peak
+
+    free = _free_bytes(device)
+    if free is None:
+        return None
+    peak = graph_peak(traced)
+    if peak is None:
+        return "the graph's peak memory has no number (data-dependent sizes)"
+    if peak > MEMORY_SHARE * free:
+        return (f"the graph's peak ({peak / 2**20:.0f} MiB) is above {MEMORY_SHARE:.0%} of "
+                f"the GPU's free memory ({free / 2**20:.0f} MiB), and the race holds both "
+                "Programs until it is decided")
+    return None
+
+
+def _free_bytes(device: str) -> int | None:
+    """Free bytes of the current CUDA device (None: not a CUDA graph)."""
+    if device != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return free
 
 
 def race_key(traced: torch.fx.GraphModule, options: dict[str, Any], arch: str) -> dict:
@@ -151,5 +193,5 @@ class LayoutRace:
             rec.notes.append(text)
 
 
-__all__ = ["LATEST_CALL", "LayoutRace", "NOTE_KIND", "race_key", "remembered",
-           "remembered_layout"]
+__all__ = ["LATEST_CALL", "LayoutRace", "MEMORY_SHARE", "NOTE_KIND", "race_key", "races",
+           "remembered", "remembered_layout", "too_large"]

@@ -242,3 +242,18 @@ def test_on_the_gpu_a_remembered_race_builds_one_program(tmp_path):
     (rec,) = again.records
     assert rec.layout_applied is won
     assert any("decided by an earlier process" in n for n in rec.notes), rec.notes
+
+
+def test_no_race_where_two_programs_may_not_fit(monkeypatch):
+    """Where the traced graph's peak is above the share of free memory the race may
+    take (simulated on the CPU: a tiny 'free memory'), one Program is built and its
+    note says why the race did not run."""
+    from stitch_backend import layout_race
+
+    monkeypatch.setattr(layout_race, "_free_bytes", lambda device: 1024)
+    model, _, backend, compiled, x = _raced(layout_race=None)
+    with torch.no_grad():
+        compiled(x)
+    (rec,) = backend.records
+    assert any(n.startswith("layout race: not run, the graph's peak (") for n in rec.notes), \
+        rec.notes
