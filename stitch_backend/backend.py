@@ -314,7 +314,7 @@ class StitchBackend:
         from . import cudagraphs
         from .layout_race import LayoutRace, race_key, too_large
 
-        big = too_large(traced, record.device)
+        big = too_large(traced)
         if big is not None:
             record.notes.append(f"layout race: not run, {big}")
             return None

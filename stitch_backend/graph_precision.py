@@ -97,7 +97,7 @@ def _judge(traced: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> Gra
     if odd is not None:
         return GraphVerdict(False, f"an input is not a tensor ({type(odd).__name__}): "
                                    "not judged at the graph's outputs")
-    need, free = _bytes_needed(traced, metas), _free_bytes(metas)
+    need, free = _bytes_needed(traced, metas), free_bytes(metas)
     if need is None or (free is not None and need > MEMORY_SHARE * free):
         size = "a data-dependent size" if need is None else (
             f"about {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
@@ -148,7 +148,7 @@ def _bytes_needed(gm: torch.fx.GraphModule, metas: list[torch.Tensor]) -> int | 
     return 4 * size(metas) + 2 * peak + 2 * size(outputs)
 
 
-def _free_bytes(metas: list[torch.Tensor]) -> int | None:
+def free_bytes(metas: list[torch.Tensor]) -> int | None:
     """Free memory of the first CUDA device among the inputs' (None: no CUDA input)."""
     device = next((m.device for m in metas if m.device.type == "cuda"), None)
     if device is None:
@@ -245,5 +245,5 @@ def _valid(value: Any) -> bool:
             and isinstance(value.get("why"), str))
 
 
-__all__ = ["DRAWS", "GraphVerdict", "NOTE_KIND", "cudnn_flags", "graph_note_key", "outputs_hold",
-           "remember_failure"]
+__all__ = ["DRAWS", "GraphVerdict", "NOTE_KIND", "cudnn_flags", "free_bytes", "graph_note_key",
+           "outputs_hold", "remember_failure"]

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 
 from . import cudagraphs
+from .graph_precision import free_bytes
 from .mutations import restored
 from .notes import read_note, write_note
 from .program import unboxed
@@ -55,12 +56,13 @@ def races(option: bool | None, result: Any) -> bool:
     return option
 
 
-def too_large(traced: torch.fx.GraphModule, device: str) -> str | None:
-    """Why holding a second Program of ``traced`` could run ``device`` out of memory, or
+def too_large(traced: torch.fx.GraphModule) -> str | None:
+    """Why holding a second Program of ``traced`` could run its GPU out of memory, or
     None (CPU graphs: no limit here)."""
     from .memplan import graph_peak
 
-    free = _free_bytes(device)
+    metas = [n.meta.get("val") for n in traced.graph.find_nodes(op="placeholder")]
+    free = free_bytes(metas)
     if free is None:
         return None
     peak = graph_peak(traced)
@@ -71,14 +73,6 @@ def too_large(traced: torch.fx.GraphModule, device: str) -> str | None:
                 f"the GPU's free memory ({free / 2**20:.0f} MiB), and the race holds both "
                 "Programs until it is decided")
     return None
-
-
-def _free_bytes(device: str) -> int | None:
-    """Free bytes of the current CUDA device (None: not a CUDA graph)."""
-    if device != "cuda":
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return free
 
 
 def race_key(traced: torch.fx.GraphModule, options: dict[str, Any], arch: str) -> dict:

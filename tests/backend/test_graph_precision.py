@@ -133,7 +133,7 @@ def test_a_graph_too_large_for_free_memory_is_not_judged(monkeypatch):
     tries again); the per-convolution verdicts stand."""
     x, w = torch.randn(2, 3, 16, 16), torch.randn(8, 3, 3, 3)
     traced = _traced(_pooled, x, w)
-    monkeypatch.setattr(graph_precision, "_free_bytes", lambda metas: 1024)
+    monkeypatch.setattr(graph_precision, "free_bytes", lambda metas: 1024)
     monkeypatch.setattr(graph_precision, "_draw", lambda *a: pytest.fail("it ran"))
     verdict = graph_precision.outputs_hold(traced, traced)
     assert not verdict.ok and not verdict.final

@@ -250,7 +250,7 @@ def test_no_race_where_two_programs_may_not_fit(monkeypatch):
     note says why the race did not run."""
     from stitch_backend import layout_race
 
-    monkeypatch.setattr(layout_race, "_free_bytes", lambda device: 1024)
+    monkeypatch.setattr(layout_race, "free_bytes", lambda metas: 1024)
     model, _, backend, compiled, x = _raced(layout_race=None)
     with torch.no_grad():
         compiled(x)
