@@ -486,6 +486,19 @@ class Store:
         _write_file(tmp, data)
         os.replace(tmp, path)
 
+    def note_counts(self) -> dict[str, int]:
+        """How many notes each kind holds (``stitchcuda cache ls`` shows them: the
+        cuBLASLt algorithms, layout races and precision verdicts this machine measured)."""
+        counts: dict[str, int] = {}
+        try:
+            kinds = sorted(p for p in (self.root / "notes").iterdir() if p.is_dir())
+        except OSError:
+            return counts
+        for kind in kinds:
+            if _NOTE_KIND.fullmatch(kind.name):
+                counts[kind.name] = sum(1 for f in kind.iterdir() if f.suffix == ".json")
+        return counts
+
     def evict(self, max_bytes: int, *, keep: Iterable[str] = ()) -> list[str]:
         """Remove least recently used entries until the total size is at most
         ``max_bytes`` (keys in ``keep`` are spared); returns the evicted keys, oldest

@@ -91,13 +91,17 @@ def _ls(store: Store, args: argparse.Namespace) -> int:
         return EXIT_OK
     if not infos:
         print(f"no entries in {store.root}")
-        return EXIT_OK
-    print(f"{'KEY':16}  {'SIZE':>9}  {'LAST USED':19}  {'ARCH':8}  SUMMARY")
-    for i in infos:
-        summary = "BROKEN: " + i.problem if i.problem else _inline(i.summary)
-        print(f"{i.key[:16]}  {_size(i.size):>9}  {_when(i.last_used):19}  "
-              f"{i.arch or '-':8}  {summary}")
-    print(f"{len(infos)} entries, {_size(sum(i.size for i in infos))} in {store.root}")
+    else:
+        print(f"{'KEY':16}  {'SIZE':>9}  {'LAST USED':19}  {'ARCH':8}  SUMMARY")
+        for i in infos:
+            summary = "BROKEN: " + i.problem if i.problem else _inline(i.summary)
+            print(f"{i.key[:16]}  {_size(i.size):>9}  {_when(i.last_used):19}  "
+                  f"{i.arch or '-':8}  {summary}")
+        print(f"{len(infos)} entries, {_size(sum(i.size for i in infos))} in {store.root}")
+    notes = {kind: n for kind, n in store.note_counts().items() if n}
+    if notes:
+        print("notes (facts measured on this machine; `cache clear` removes them too): "
+              + ", ".join(f"{n} {kind}" for kind, n in notes.items()))
     return EXIT_OK
 
 

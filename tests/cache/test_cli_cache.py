@@ -63,9 +63,29 @@ def test_ls(populated, capsys):
 
 def test_ls_empty(capsys):
     assert _cli("ls") == 0
-    assert "no entries" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "no entries" in out and "notes (facts" not in out
     assert _cli("ls", "--json") == 0
     assert json.loads(capsys.readouterr().out) == []
+
+
+def test_ls_counts_notes_by_kind(populated, capsys):
+    """The small facts a machine measured once (a layout race's verdict, cuBLASLt's
+    algorithm choices) are counted by kind; `clear` removes them with the entries."""
+    store, _, _ = populated
+    store.write_note("layout-race-1", {"graph": "a"}, {"channels_last": True, "timing": "t"})
+    store.write_note("lt-algo-1", {"problem": "x"}, 1)
+    store.write_note("lt-algo-1", {"problem": "y"}, 2)
+    assert store.note_counts() == {"layout-race-1": 1, "lt-algo-1": 2}
+    assert _cli("ls") == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "notes (facts measured on this machine" in out
+    assert "1 layout-race-1, 2 lt-algo-1" in out, out
+    assert _cli("clear", "--yes") == 0
+    capsys.readouterr()
+    assert store.note_counts() == {}
+    assert _cli("ls") == 0
+    assert "notes (facts" not in capsys.readouterr().out
 
 
 def test_show_report_as_markdown(populated, capsys):
