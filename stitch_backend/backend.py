@@ -197,9 +197,6 @@ class StitchBackend:
             for x in example_inputs)
         # layout first: a pooling of a channels-last value is rewritten along C
         traced = gm
-        race_note = None
-        if forced_layout is None:       # an earlier process's race decides, if one ran
-            forced_layout, race_note = self._remembered_race(gm, stage, device, dynamic)
         gm, layout = self._layout(gm, stage, device, dynamic, forced_layout)
         gm, pools = self._pools(gm, device)
         gm, biases = self._conv_bias(gm, device)
@@ -214,8 +211,8 @@ class StitchBackend:
         if layout is not None:
             record.layout_applied = layout.applied
             notes.append(layout.note())
-        if race_note is not None:
-            notes.append(race_note)
+            if layout.remembered:
+                notes.append(layout.remembered)
         if pools:
             notes.append(f"{pools} pooling(s) over disjoint windows run as amax/mean "
                          "reductions the Coder generates")
@@ -285,26 +282,14 @@ class StitchBackend:
     def _layout(self, gm, stage: str, device: str, dynamic: bool,
                 forced: bool | None = None):
         """``gm`` with its convolutions channels-last where that applies, and what was
-        done (None where the pass is not considered: no convolutions, not CUDA, ...).
-        ``forced``: the layout race's other choice (True: the rewrite as
-        ``channels_last=True`` makes it; False: the traced layout)."""
-        from . import layout
+        done (None where the pass is not considered: no convolutions, not CUDA, ...);
+        ``forced``: the layout race's other choice (``layout_choice.decide``)."""
+        from . import layout_choice
 
-        if (self.config.channels_last is False or stage != "inference"
-                or not self._runs_kernels(device) or dynamic or not layout.convolutions(gm)):
+        if not layout_choice.considered(self.config, gm, stage, self._runs_kernels(device),
+                                        dynamic):
             return gm, None
-        if forced is False:
-            return gm, layout.LayoutResult(False, "layout race: the traced layout")
-        if forced:
-            return layout.to_channels_last(gm, self._notes(), partial=True)
-        if self.config.channels_last is None:
-            from .layout_auto import auto_declines, few_positions
-
-            why = auto_declines(gm)
-            if why is not None:
-                return gm, layout.LayoutResult(False, why, guess=why == few_positions(gm))
-        return layout.to_channels_last(gm, self._notes(),
-                                       partial=self.config.channels_last is True)
+        return layout_choice.decide(self.config, self._notes(), gm, forced, self._arch(device))
 
     def _layout_race(self, program: Program, record: GraphRecord, result, stage: str,
                      traced: torch.fx.GraphModule, example_inputs: list[Any],
@@ -338,21 +323,6 @@ class StitchBackend:
                race_key(traced, self.config.code_options(), self._arch(record.device)))
         return LayoutRace(program, second, [record, rec2], names,
                           draws_random=cudagraphs.draws_random(traced), store=store, key=key)
-
-    def _remembered_race(self, gm: torch.fx.GraphModule, stage: str, device: str,
-                         dynamic: bool) -> tuple[bool | None, str | None]:
-        """The layout an earlier process's race kept for ``gm`` (the cache's notes, same
-        GPU, versions and options) and the note saying so; (None, None) where none is
-        stored or the layout is not this backend's to choose."""
-        from . import layout
-        from .layout_race import remembered_layout
-
-        if (self.config.layout_race is False or self.config.channels_last is not None
-                or stage != "inference" or dynamic or not self._runs_kernels(device)
-                or not layout.convolutions(gm)):
-            return None, None
-        return remembered_layout(self._notes(), gm, self.config.code_options(),
-                                 self._arch(device))
 
     def _traced_check(self, traced: torch.fx.GraphModule):
         """The first-call check of a graph whose channels-last rewrite kept TF32

@@ -107,6 +107,7 @@ class LayoutResult:
     whole_why: str = ""
     instance_norms: int = 0  # computed over their own dims (``instance_norm.unmerge_instance_norms``)
     guess: bool = False      # declined by ``auto``'s positions rule (``layout_auto.few_positions``)
+    remembered: str = ""     # the layout an earlier race kept, read from the cache (its note)
 
     def note(self) -> str:
         if self.applied:

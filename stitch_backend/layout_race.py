@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from . import cudagraphs
-from .graph_precision import free_bytes
+from .graph_precision import free_bytes, graph_note_key
 from .mutations import restored
 from .notes import read_note, write_note
 from .program import unboxed
@@ -46,11 +46,14 @@ MEMORY_SHARE = 0.25
 
 def races(option: bool | None, result: Any) -> bool:
     """Whether ``layout_race`` (``option``) races both layouts of a graph whose layout
-    pass did ``result`` (a ``layout.LayoutResult``). 'auto' (None): where ``auto``
+    pass did ``result`` (a ``layout.LayoutResult``): never where an earlier race's verdict
+    decided it. 'auto' (None): where ``auto``
     declined on its positions rule, a guess; or where the rewrite runs a convolution
     with cuDNN's TF32 off, which the traced layout runs as eager does (on an H100,
     KernelBench L2 92's convolution took 1.41 ms so, session 26, and its whole graph
     3.25 ms against Inductor's 1.54; raced, 1.97)."""
+    if result.remembered:
+        return False          # an earlier race decided (``layout_choice.decide``)
     if option is None:
         return result.guess or (result.applied and result.exact > 0)
     return option
@@ -79,22 +82,15 @@ def race_key(traced: torch.fx.GraphModule, options: dict[str, Any], arch: str) -
     """What a race's verdict depends on: the graph as traced and its inputs, the GPU, the
     versions, cuDNN's flags (``graph_precision.graph_note_key``), the arch and the options
     that change the generated code."""
-    from .graph_precision import graph_note_key
-
     return {**graph_note_key(traced), "arch": arch, "options": options}
-
-
-def remembered(store: Any, key: dict) -> dict | None:
-    """The verdict an earlier race stored under ``key`` in ``store`` (a cache Store, or
-    None): ``{"channels_last": bool, "timing": str}``; None where there is none."""
-    return read_note(store, NOTE_KIND, key, _valid)
 
 
 def remembered_layout(store: Any, traced: torch.fx.GraphModule, options: dict[str, Any],
                       arch: str) -> tuple[bool | None, str | None]:
     """Whether an earlier race of ``traced`` kept channels-last (``store``: a cache Store,
     or None), and the note saying so; (None, None) where none is stored."""
-    found = None if store is None else remembered(store, race_key(traced, options, arch))
+    found = (None if store is None else
+             read_note(store, NOTE_KIND, race_key(traced, options, arch), _valid))
     if found is None:
         return None, None
     kept = "channels-last" if found["channels_last"] else "the traced layout"
@@ -188,4 +184,4 @@ class LayoutRace:
 
 
 __all__ = ["LATEST_CALL", "LayoutRace", "MEMORY_SHARE", "NOTE_KIND", "race_key", "races",
-           "remembered", "remembered_layout", "too_large"]
+           "remembered_layout", "too_large"]
