@@ -104,6 +104,67 @@ def move_to_sole_reader(gm: torch.fx.GraphModule, regions: list[_Open], kind: Re
             owner[n] = j
 
 
+def absorb_split_epilogues(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
+    """Move a fused region of pointwise ops into the gemm region that produces every
+    value it reads (graph inputs aside), where that gemm region already runs an epilogue
+    kernel and every value the merged epilogue hands on has one element count.
+
+    The Planner joins a pointwise op to a gemm's epilogue only where it is of the
+    product's size. An op on a part of the product is not: attention's projection
+    ``qkv = x @ w + b`` is split into q, k and v, and ``q * s`` and ``k * s`` (the math
+    path of scaled_dot_product_attention) are each a third of it. They became a region
+    of their own: one more launch per attention layer, which in a CUDA graph replay of a
+    small model costs microseconds a layer (KernelBench L3 32, six layers of a 0.47 ms
+    call on an H100), and one more pass over q and k. In the epilogue kernel, whose
+    iteration space is then a third of the product, each thread reads its q, k and v
+    elements of the product and writes the scaled q and k and the copied v."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
+    for j, region in enumerate(regions):
+        host_idx = _split_epilogue_host(region, regions, owner, j)
+        if host_idx is None:
+            continue
+        host = regions[host_idx]
+        anchors = [n for n in host.nodes if classify(n) is OpClass.GEMM]
+        if len(anchors) != 1:
+            continue
+        epi = [n for n in host.nodes if order[n] > order[anchors[0]]]
+        if all(classify(n) is OpClass.VIEW for n in epi):
+            continue    # no epilogue kernel to join: moving the ops saves no launch
+        merged = set(host.nodes) | set(region.nodes)
+        handed_on = [n for n in [*epi, *region.nodes]
+                     if any(u not in merged for u in n.users)]
+        sizes = [_numel(n) for n in handed_on]
+        if not sizes or not all(same_numel(s, sizes[0]) for s in sizes):
+            continue
+        host.nodes += region.nodes
+        for n in region.nodes:
+            owner[n] = host_idx
+        region.nodes = []
+    regions[:] = [r for r in regions if r.nodes]
+
+
+def _split_epilogue_host(region: _Open, regions: list[_Open], owner: dict,
+                         j: int) -> int | None:
+    """The index of the one gemm region (before ``j``) that computes every value the
+    pointwise fused ``region`` reads, graph inputs aside; else None."""
+    if region.kind is not RegionKind.FUSED or not region.nodes:
+        return None
+    classes = [classify(n) for n in region.nodes]
+    if not all(c in (OpClass.POINTWISE, OpClass.VIEW) for c in classes) or \
+            OpClass.POINTWISE not in classes:
+        return None
+    members = set(region.nodes)
+    sources = {owner.get(a, -1) for n in region.nodes for a in n.all_input_nodes
+               if a not in members and a.op not in ("placeholder", "get_attr")}
+    if len(sources) != 1:
+        return None
+    i = sources.pop()
+    if not 0 <= i < j or regions[i].kind is not RegionKind.GEMM:
+        return None
+    return i
+
+
 def _reads_product_sized(anchor: torch.fx.Node, epi: list[torch.fx.Node]) -> bool:
     """Whether the epilogue ``epi`` of ``anchor`` reads a value of the product's size
     from outside (a residual), not only the product and smaller values (a bias)."""
@@ -113,4 +174,4 @@ def _reads_product_sized(anchor: torch.fx.Node, epi: list[torch.fx.Node]) -> boo
                for n in epi if classify(n) is OpClass.POINTWISE for a in n.all_input_nodes)
 
 
-__all__ = ["defer_epilogues", "move_to_sole_reader"]
+__all__ = ["absorb_split_epilogues", "defer_epilogues", "move_to_sole_reader"]
