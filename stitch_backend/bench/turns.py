@@ -6,6 +6,13 @@ compile of backends that time things on the GPU while compiling (stitchcuda's Ve
 Only the compile of backends that compile on the host (Inductor's default and
 reduce-overhead modes) runs outside the lock, overlapping other tasks' turns, which is
 where a shared run saves its time. Without the environment variable every turn is free.
+
+A turn ends by handing the memory torch's caching allocator holds but does not use back
+to the driver (``torch.cuda.empty_cache``): the tasks share the GPU's memory too, and
+blocks one task cached in its turn made the next task's checks run out of memory (a
+shared L2 run on an H100, 2026-12-06: four tasks holding 7 to 27 GiB each, 1.3 GiB free,
+so one task's precision check and CUDA-graph capture failed with OutOfMemoryError).
+What a task still uses stays: its model, its references, its CUDA graphs' pools.
 """
 
 from __future__ import annotations
@@ -50,5 +57,16 @@ class GpuTurn:
                  tb: TracebackType | None) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            _release_cached_memory()
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+def _release_cached_memory() -> None:
+    """Return the caching allocator's unused blocks to the driver, where this process
+    has initialised CUDA (a host-only task has nothing cached)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

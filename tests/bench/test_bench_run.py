@@ -432,6 +432,24 @@ def test_gpu_turn_is_exclusive_and_released(tmp_path):
         pass
 
 
+def test_a_turn_hands_cached_memory_back_before_the_next_task_takes_the_gpu(tmp_path, monkeypatch):
+    from stitch_backend.bench.turns import GpuTurn
+
+    lock = str(tmp_path / "gpu0.lock")
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    monkeypatch.setattr(torch.cuda, "empty_cache",
+                        lambda: events.append(("empty", _lock_is_held(lock))))
+    with GpuTurn(lock):
+        assert events == []
+    assert events == ["sync", ("empty", True)]   # inside the turn, before the unlock
+    with GpuTurn(None):                           # not shared: nothing to hand back
+        pass
+    assert len(events) == 2
+
+
 def test_a_shared_task_times_in_its_turn_and_compiles_on_the_host_outside_it(tmp_path, monkeypatch):
     """Checks and timing hold the GPU's lock; a host-compiled backend's first call (its
     compile) does not, so other tasks' turns can overlap it. The record says the GPU
