@@ -46,6 +46,15 @@ reference count does not include those (Inductor's CUDA graphs read the same cou
 The tensor-level work on outputs (views of inputs, aliases, moving kept outputs out,
 bitwise comparison) is in ``replay_outputs``.
 
+Inputs are read where the caller keeps them, as parameters are, while each call passes
+them at the address the capture read (a loop feeding one input buffer, KernelBench's
+timing): the graph holds a reference to each such tensor, so its memory cannot go to
+anything else, and a caller's in-place change of it is what the next replay reads. The
+first call that passes one elsewhere (a new tensor each call) makes the graph capture
+again and copy every such input into buffers of its own before each replay from then
+on, as Inductor's CUDA graphs do on every call (L3 MiniGPTBlock's input is 201 MB, read
+and written by that copy each call). Inputs the graph mutates are always copied in.
+
 The input copies make a replay slower than an uncaptured run for a few kernels over
 large tensors; the first replay is therefore timed against an uncaptured run, and replay
 stays on unless running uncaptured is faster by more than REPLAY_MARGIN.
@@ -253,6 +262,9 @@ class GraphReplay:
         self.program = program
         self.random = random
         self.static_indices = static_indices or set()
+        # The caller's inputs read in place (no copy) while they stay where the capture
+        # read them; decided at the first capture, emptied for good once one moves.
+        self.direct: set[int] | None = None
         self._static_order = sorted(self.static_indices)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[torch.Tensor] = []
@@ -290,6 +302,8 @@ class GraphReplay:
             self.warm = True  # one uncaptured run first: lazy initialisation stays out
             raise NotCaptured("warm-up")
         if self.graph is None or self._params_moved(inputs):
+            if self.graph is not None:
+                self._stop_direct_reads(inputs)
             self._capture(inputs)
         if not self.checked:
             self.checked = True
@@ -366,6 +380,27 @@ class GraphReplay:
                 "them and the Program captured again)")
         self.captures = max(0, self.captures - 1)   # not a moved parameter
         self._capture(inputs)
+
+    def _direct_candidates(self, inputs: list[torch.Tensor]) -> set[int]:
+        """The inputs the graph may read where the caller keeps them: every tensor input
+        but the parameters and buffers (read in place anyway) and those the graph
+        mutates (copied in and written back after the graph, as before)."""
+        mutated = {w.input_index for w in self.program.writebacks}
+        return {i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor)
+                and i not in self.static_indices and i not in mutated}
+
+    def _stop_direct_reads(self, inputs: list[torch.Tensor]) -> None:
+        """Where an input the graph read in place has moved (a new tensor each call), copy
+        every such input into the graph's own buffers from now on; the capture this
+        calls for does not count as a moved parameter's."""
+        moved = sorted(i for i in self.direct or () if inputs[i].data_ptr() != self.captured_ptrs[i])
+        if not moved:
+            return
+        self.direct = set()
+        self.captures = max(0, self.captures - 1)
+        self.program.notes_sink.append(
+            f"CUDA graph inputs copied in from now on: input {moved[0]} was read in place "
+            "until a call passed it at another address (captured again)")
 
     def _by_place(self, values: Sequence[Any]) -> tuple[list[tuple[int, Any]],
                                                          list[tuple[int, Any]]]:
@@ -477,12 +512,16 @@ class GraphReplay:
             self.disable("parameters kept moving: captured 3 times")
             raise NotCaptured(self.disabled)
         try:
+            if self.direct is None:
+                self.direct = self._direct_candidates(inputs)
+            kept = self.static_indices | self.direct
             # Owned copies with the inputs' exact strides: the kernels were generated for them.
-            self.static_inputs = [x if i in self.static_indices else
+            self.static_inputs = [x if i in kept else
                                   torch.empty_strided(x.size(), x.stride(), dtype=x.dtype,
                                                       device=x.device).copy_(x)
                                   for i, x in enumerate(inputs)]
             self.captured_ptrs = [x.data_ptr() for x in inputs]
+            self._static_order = sorted(kept)
             with rng_kept(self.random):   # capture's uncaptured run draws nothing the user sees
                 self.graph, self.static_outputs = capture(self._captured_run)
             self._own, values = split_outputs(self.static_outputs, self.program.writebacks)
@@ -491,7 +530,7 @@ class GraphReplay:
             self._flat_own = [t for j, t in enumerate(flat) if j not in self._input_views]
             self._handed = []
             self._outside = self._by_place(values)[1]
-            self._copied = [i for i in range(len(inputs)) if i not in self.static_indices]
+            self._copied = [i for i in range(len(inputs)) if i not in kept]
             self.captures += 1
         except Exception as err:  # noqa: BLE001 - capture failure: run uncaptured, say why
             self.graph = None
