@@ -52,7 +52,8 @@ timing): the graph holds a reference to each such tensor, so its memory cannot g
 anything else, and a caller's in-place change of it is what the next replay reads. The
 first call that passes one elsewhere (a new tensor each call) makes the graph capture
 again and copy every such input into buffers of its own before each replay from then
-on, as Inductor's CUDA graphs do on every call (L3 MiniGPTBlock's input is 201 MB, read
+on (that capture's first replay checked and timed against running uncaptured again), as
+Inductor's CUDA graphs do on every call (L3 MiniGPTBlock's input is 201 MB, read
 and written by that copy each call). Inputs the graph mutates are always copied in.
 
 The input copies make a replay slower than an uncaptured run for a few kernels over
@@ -392,11 +393,13 @@ class GraphReplay:
     def _stop_direct_reads(self, inputs: list[torch.Tensor]) -> None:
         """Where an input the graph read in place has moved (a new tensor each call), copy
         every such input into the graph's own buffers from now on; the capture this
-        calls for does not count as a moved parameter's."""
+        calls for does not count as a moved parameter's, and its first replay is checked
+        and timed against running uncaptured again (the copies now cost each replay)."""
         moved = sorted(i for i in self.direct or () if inputs[i].data_ptr() != self.captured_ptrs[i])
         if not moved:
             return
         self.direct = set()
+        self.checked = False
         self.captures = max(0, self.captures - 1)
         self.program.notes_sink.append(
             f"CUDA graph inputs copied in from now on: input {moved[0]} was read in place "
