@@ -25,7 +25,7 @@ import torch
 
 from stitch_backend import progress
 from stitch_backend.correctness import compare, flatten_outputs, run_fp64
-from stitch_backend.cudagraphs import RngState
+from stitch_backend.rng import RngState
 from stitch_backend.memplan import FLAG_RATIO, within_margin
 from stitch_backend.program import Program, Step
 from stitch_backend.regions import constant_inputs

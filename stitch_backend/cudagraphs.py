@@ -63,14 +63,14 @@ stays on unless running uncaptured is faster by more than REPLAY_MARGIN.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
+from . import rng
 from .mutations import nbytes, restored, split_outputs, write_back
 from .opclass import OpClass, classify
 from .replay_outputs import (_alias, _clone, _identical, _move_out, _tensors, _use_count,
@@ -153,45 +153,6 @@ def draws_random(gm: torch.fx.GraphModule) -> bool:
                for n in gm.graph.nodes)
 
 
-@contextlib.contextmanager
-def rng_kept(active: bool = True) -> Iterator[None]:
-    """Puts the CUDA generators back as they were on entry: around the runs a replayed
-    Program makes that the user's call would not (the capture's uncaptured run, the
-    first replay's uncaptured reference run, the timing runs), so that a graph drawing
-    random numbers leaves the generator where one eager call would have."""
-    saved = rng_state(active)
-    try:
-        yield
-    finally:
-        rng_set(saved)
-
-
-def rng_state(active: bool = True) -> list[torch.Tensor] | None:
-    """The CUDA generators' states where ``active`` (None otherwise)."""
-    return torch.cuda.get_rng_state_all() if active else None
-
-
-def rng_set(state: list[torch.Tensor] | None) -> None:
-    """Put back what ``rng_state`` saved (nothing for None)."""
-    if state is not None:
-        torch.cuda.set_rng_state_all(state)
-
-
-class RngState:
-    """The CPU generator's state and, once CUDA is initialised, the CUDA generators': put
-    back with ``restore`` (the Verifier's re-runs, the first call's check against the
-    graph as traced)."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-
-
 def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``fn()`` captured into a CUDA graph: (the graph, the outputs of the captured call,
     which live in the graph's private pool). ``fn`` runs once on a side stream first, as
@@ -202,32 +163,9 @@ def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with rng_restored_on_failure(), torch.cuda.graph(graph):
+    with rng.rng_restored_on_failure(), torch.cuda.graph(graph):
         outputs = fn()
     return graph, outputs
-
-
-@contextlib.contextmanager
-def rng_restored_on_failure() -> Iterator[None]:
-    """Around a CUDA graph capture: if the capture fails, put back the CUDA generators'
-    states, which the capture had switched to capturing mode and torch leaves so (the
-    next random op outside a capture would then raise)."""
-    saved = []
-    for gen in torch.cuda.default_generators:
-        try:
-            saved.append((gen, gen.clone_state()))
-        except (AttributeError, RuntimeError):  # pragma: no cover - older torch
-            pass
-    try:
-        yield
-    except BaseException:
-        for gen, state in saved:
-            try:
-                gen.graphsafe_set_state(state)
-            except (AttributeError, RuntimeError) as err:  # pragma: no cover
-                log.warning("could not restore the CUDA generator after a failed capture "
-                            "(%s: %s)", type(err).__name__, err)
-        raise
 
 
 def _aliases_input(node: torch.fx.Node) -> bool:
@@ -431,18 +369,18 @@ class GraphReplay:
         targets = [inputs[w.input_index] for w in writebacks]
         # random draws: the reference run and the replay start from the same generator
         # state, and the replay's draws are the ones this call keeps
-        before = rng_state(self.random)
+        before = rng.rng_state(self.random)
         expected, values = split_outputs(self.program.run_inputs(inputs), writebacks)
-        rng_set(before)
+        rng.rng_set(before)
         outputs = self._replay(inputs)
         if not (_identical(outputs, expected) and _identical(list(targets), values)):
             # with writebacks, the targets now hold the replay's values: no rerun
             rerun = None
             if not writebacks:
-                after = rng_state(self.random)
-                rng_set(before)
+                after = rng.rng_state(self.random)
+                rng.rng_set(before)
                 rerun = self.program.run_inputs(inputs)
-                rng_set(after)
+                rng.rng_set(after)
             why = replay_disagrees(outputs, expected, rerun)
             if why:
                 write_back(targets, values)
@@ -477,7 +415,7 @@ class GraphReplay:
             return None
         program = self.program
         aten_ms = None
-        with restored(targets), rng_kept(self.random):
+        with restored(targets), rng.rng_kept(self.random):
             # interleaved, best of two medians each: one pass alone was seen to put replay
             # 20% behind on a GPU-bound graph that replayed at par in another process
             replay_ms = plain_ms = float("inf")
@@ -525,7 +463,7 @@ class GraphReplay:
                                   for i, x in enumerate(inputs)]
             self.captured_ptrs = [x.data_ptr() for x in inputs]
             self._static_order = sorted(kept)
-            with rng_kept(self.random):   # capture's uncaptured run draws nothing the user sees
+            with rng.rng_kept(self.random):   # capture's uncaptured run draws nothing the user sees
                 self.graph, self.static_outputs = capture(self._captured_run)
             self._own, values = split_outputs(self.static_outputs, self.program.writebacks)
             flat = _tensors(self._own)

@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx
 
-from . import cudagraphs
+from . import cudagraphs, rng
 from .graph_precision import free_bytes, graph_note_key
 from .mutations import restored
 from .notes import read_note, write_note
@@ -145,7 +145,7 @@ class LayoutRace:
     @contextlib.contextmanager
     def _generators(self) -> Iterator[None]:
         """The random generators put back after a run that is not the user's."""
-        state = cudagraphs.RngState() if self.draws_random else None
+        state = rng.RngState() if self.draws_random else None
         try:
             yield
         finally:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import cudagraphs
+from . import cudagraphs, rng
 from .correctness import compare, run_fp64
 
 log = logging.getLogger("stitch_backend.traced_check")
@@ -51,9 +51,9 @@ def judged(check: TracedCheck, inputs: Sequence[Any],
     to hand the user and, where the Program's failed the rule, why (the traced graph's
     outputs are then returned)."""
     fork = cudagraphs.draws_random(check.traced)
-    before = cudagraphs.RngState() if fork else None
+    before = rng.RngState() if fork else None
     got = run()
-    after = cudagraphs.RngState() if fork else None
+    after = rng.RngState() if fork else None
     _restore(before)
     with torch.no_grad():
         try:
@@ -95,7 +95,7 @@ def _failed(check: TracedCheck, what: str, remember: bool = True) -> str:
     return why
 
 
-def _restore(state: cudagraphs.RngState | None) -> None:
+def _restore(state: rng.RngState | None) -> None:
     if state is not None:
         state.restore()
 

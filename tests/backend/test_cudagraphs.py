@@ -201,7 +201,7 @@ def test_a_replayed_program_drawing_random_numbers_draws_what_eager_would(monkey
     CUDA's: the capture's run, the first replay's reference run and the timing runs
     leave the generator alone, so each call's mask is the one eager draws at that point
     of a seeded run, and the generator ends where eager's calls leave it."""
-    from stitch_backend import cudagraphs
+    from stitch_backend import cudagraphs, rng
     from stitch_backend.agents.planner import partition
     from stitch_backend.program import Program
 
@@ -219,9 +219,9 @@ def test_a_replayed_program_drawing_random_numbers_draws_what_eager_would(monkey
                 dst.copy_(src)
 
     monkeypatch.setattr(cudagraphs, "capture", lambda fn: (_Graph(), fn()))
-    monkeypatch.setattr(cudagraphs, "rng_state",
+    monkeypatch.setattr(rng, "rng_state",
                         lambda active=True: torch.get_rng_state() if active else None)
-    monkeypatch.setattr(cudagraphs, "rng_set",
+    monkeypatch.setattr(rng, "rng_set",
                         lambda state: None if state is None else torch.set_rng_state(state))
     monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: (fn(), 1.0)[-1])
     x = torch.randn(64)
