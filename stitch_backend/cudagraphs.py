@@ -51,9 +51,11 @@ them at the address the capture read (a loop feeding one input buffer, KernelBen
 timing): the graph holds a reference to each such tensor, so its memory cannot go to
 anything else, and a caller's in-place change of it is what the next replay reads. The
 first call that passes one elsewhere (a new tensor each call) makes the graph capture
-again and copy every such input into buffers of its own before each replay from then
-on (that capture's first replay checked and timed against running uncaptured again), as
-Inductor's CUDA graphs do on every call (L3 MiniGPTBlock's input is 201 MB, read
+again and copy every such input into buffers of its own before each replay (that
+capture's first replay checked and timed against running uncaptured again), as
+Inductor's CUDA graphs do on every call; once the inputs stay at one address again for
+STABLE_CALLS calls in a row (a bench's correctness trials on fresh tensors, then its
+timed loop on one), they are read in place again, at most DIRECT_RETURNS times (L3 MiniGPTBlock's input is 201 MB, read
 and written by that copy each call). Inputs the graph mutates are always copied in.
 
 The input copies make a replay slower than an uncaptured run for a few kernels over
@@ -88,6 +90,11 @@ SNAPSHOT_LIMIT = 256 * 2**20
 COPY_LIMIT = 2**30
 # Recaptures (a caller kept views of earlier outputs) before outputs are always cloned.
 ABANDON_LIMIT = 2
+# Inputs copied in since one moved are read in place again once they have stayed at one
+# address for this many calls in a row (a benchmark's or server's input buffer after a
+# few calls on other tensors), at most DIRECT_RETURNS times.
+STABLE_CALLS = 3
+DIRECT_RETURNS = 2
 # Replay goes off only where running uncaptured is faster by more than this fraction:
 # within it the two timings are a coin toss (L3 MiniGPTBlock on the H200: 23.913 ms
 # replayed vs 23.985 uncaptured in one process, replay kept; in the next run's bench the
@@ -204,6 +211,9 @@ class GraphReplay:
         # The caller's inputs read in place (no copy) while they stay where the capture
         # read them; decided at the first capture, emptied for good once one moves.
         self.direct: set[int] | None = None
+        self._candidates: list[int] | None = None   # the inputs that may be read in place
+        self._stable: tuple[int, tuple[int, ...]] = (0, ())   # calls in a row, their addresses
+        self.direct_returns = 0
         self._static_order = sorted(self.static_indices)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_inputs: list[torch.Tensor] = []
@@ -243,6 +253,8 @@ class GraphReplay:
         if self.graph is None or self._params_moved(inputs):
             if self.graph is not None:
                 self._stop_direct_reads(inputs)
+            self._capture(inputs)
+        elif self._inputs_settled(inputs):
             self._capture(inputs)
         if not self.checked:
             self.checked = True
@@ -339,9 +351,32 @@ class GraphReplay:
         self.direct = set()
         self.checked = False
         self.captures = max(0, self.captures - 1)
+        self._stable = (0, ())
         self.program.notes_sink.append(
-            f"CUDA graph inputs copied in from now on: input {moved[0]} was read in place "
-            "until a call passed it at another address (captured again)")
+            f"CUDA graph inputs copied in: input {moved[0]} was read in place until a call "
+            "passed it at another address (captured again)")
+
+    def _inputs_settled(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether inputs copied in since one moved have now stayed at one address for
+        STABLE_CALLS calls in a row, so the graph should capture again reading them in
+        place (at most DIRECT_RETURNS times; that capture's first replay is checked and
+        timed again)."""
+        if self.direct or self.direct_returns >= DIRECT_RETURNS or not self._candidates:
+            return False
+        ptrs = tuple(inputs[i].data_ptr() for i in self._candidates)
+        count, last = self._stable
+        self._stable = (count + 1 if ptrs == last else 1, ptrs)
+        if self._stable[0] < STABLE_CALLS:
+            return False
+        self.direct = None          # decided again at the capture
+        self.direct_returns += 1
+        self.checked = False
+        self.captures = max(0, self.captures - 1)
+        self.program.notes_sink.append(
+            f"CUDA graph inputs read in place again: they stayed at one address for "
+            f"{STABLE_CALLS} calls in a row (captured again; {self.direct_returns} of "
+            f"{DIRECT_RETURNS})")
+        return True
 
     def _by_place(self, values: Sequence[Any]) -> tuple[list[tuple[int, Any]],
                                                          list[tuple[int, Any]]]:
@@ -453,8 +488,10 @@ class GraphReplay:
             self.disable("parameters kept moving: captured 3 times")
             raise NotCaptured(self.disabled)
         try:
+            if self._candidates is None:
+                self._candidates = sorted(self._direct_candidates(inputs))
             if self.direct is None:
-                self.direct = self._direct_candidates(inputs)
+                self.direct = set(self._candidates)
             kept = self.static_indices | self.direct
             # Owned copies with the inputs' exact strides: the kernels were generated for them.
             self.static_inputs = [x if i in kept else

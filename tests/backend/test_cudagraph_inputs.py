@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from stitch_backend.cudagraphs import DIRECT_RETURNS, STABLE_CALLS
+
 aten = torch.ops.aten
 
 
@@ -62,13 +64,35 @@ def test_an_input_at_the_same_address_is_read_in_place_and_a_moved_one_copied_fr
     assert replay.static_inputs[0] is not y and replay.static_inputs[0] is not x
     assert replay.captures == 1 and replay.disabled is None  # not a moved parameter
     notes = replay.program.notes_sink
-    assert any("copied in from now on: input 0" in n for n in notes)
+    assert any("copied in: input 0" in n for n in notes)
     # the copying graph's first replay was timed against running uncaptured again
     assert sum(n.startswith("one call: ") for n in notes) == 2
     z = torch.randn(6)
-    (out,) = replay([z, w])                                  # no further capture
+    for _ in range(STABLE_CALLS - 1):                        # no further capture yet
+        (out,) = replay([z, w])
+        torch.testing.assert_close(out, z * w, rtol=0, atol=0)
+        assert replay.direct == set() and replay.static_inputs[0] is not z
+    z.add_(1.0)
+    (out,) = replay([z, w])                # stayed put: read in place again, re-checked
     torch.testing.assert_close(out, z * w, rtol=0, atol=0)
-    assert replay.captures == 1 and replay.direct == set()
+    assert replay.direct == {0} and replay.static_inputs[0] is z and replay._copied == []
+    assert any("read in place again" in n for n in notes) and replay.captures == 1
+    assert sum(n.startswith("one call: ") for n in notes) == 3
+
+
+def test_in_place_reads_come_back_at_most_direct_returns_times(monkeypatch):
+    replay = _replay_of(monkeypatch, lambda x: (aten.neg.default(x),), (torch.randn(5),))
+    replay([torch.randn(5)])                                 # captured, read in place
+    for round_ in range(DIRECT_RETURNS + 1):
+        (out,) = replay([torch.randn(5)])                    # moved: copied in
+        assert replay.direct == set()
+        x = torch.randn(5)
+        for _ in range(STABLE_CALLS):
+            (out,) = replay([x])
+            torch.testing.assert_close(out, -x, rtol=0, atol=0)
+        assert replay.direct == ({0} if round_ < DIRECT_RETURNS else set()), round_
+    assert replay.direct_returns == DIRECT_RETURNS and replay.disabled is None
+    assert replay.captures == 1
 
 
 def test_a_moved_parameter_still_counts_and_inputs_stay_read_in_place(monkeypatch):
