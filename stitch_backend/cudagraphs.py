@@ -53,10 +53,11 @@ anything else, and a caller's in-place change of it is what the next replay read
 first call that passes one elsewhere (a new tensor each call) makes the graph capture
 again and copy every such input into buffers of its own before each replay (that
 capture's first replay checked and timed against running uncaptured again), as
-Inductor's CUDA graphs do on every call; once the inputs stay at one address again for
+Inductor's CUDA graphs do on every call (L3 MiniGPTBlock's input is 201 MB, read and
+written by that copy each call). Once the inputs stay at one address again for
 STABLE_CALLS calls in a row (a bench's correctness trials on fresh tensors, then its
-timed loop on one), they are read in place again, at most DIRECT_RETURNS times (L3 MiniGPTBlock's input is 201 MB, read
-and written by that copy each call). Inputs the graph mutates are always copied in.
+timed loop on one), they are read in place again, at most DIRECT_RETURNS times. Inputs
+the graph mutates are always copied in.
 
 The input copies make a replay slower than an uncaptured run for a few kernels over
 large tensors; the first replay is therefore timed against an uncaptured run, and replay
@@ -209,7 +210,8 @@ class GraphReplay:
         self.random = random
         self.static_indices = static_indices or set()
         # The caller's inputs read in place (no copy) while they stay where the capture
-        # read them; decided at the first capture, emptied for good once one moves.
+        # read them: decided at a capture, emptied when one moves (``_stop_direct_reads``),
+        # None again when they settle (``_inputs_settled``).
         self.direct: set[int] | None = None
         self._candidates: list[int] | None = None   # the inputs that may be read in place
         self._stable: tuple[int, tuple[int, ...]] = (0, ())   # calls in a row, their addresses
@@ -342,7 +344,7 @@ class GraphReplay:
 
     def _stop_direct_reads(self, inputs: list[torch.Tensor]) -> None:
         """Where an input the graph read in place has moved (a new tensor each call), copy
-        every such input into the graph's own buffers from now on; the capture this
+        every such input into the graph's own buffers until they settle; the capture this
         calls for does not count as a moved parameter's, and its first replay is checked
         and timed against running uncaptured again (the copies now cost each replay)."""
         moved = sorted(i for i in self.direct or () if inputs[i].data_ptr() != self.captured_ptrs[i])
