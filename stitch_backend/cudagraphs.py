@@ -48,8 +48,11 @@ bitwise comparison) is in ``replay_outputs``.
 
 Inputs are read where the caller keeps them, as parameters are, while each call passes
 them at the address the capture read (a loop feeding one input buffer, KernelBench's
-timing): the graph holds a reference to each such tensor, so its memory cannot go to
-anything else, and a caller's in-place change of it is what the next replay reads. The
+timing; a new tensor the allocator puts where the last one was): a caller's in-place
+change is what the next replay reads. No reference to them is kept: the graph reads
+that memory only on a call that passes a tensor there, whose sizes and strides Dynamo's
+guards fixed, so holding the capture's tensor would only keep its memory from being
+freed (and, where it is another graph's output, make that graph copy it out). The
 first call that passes one elsewhere (a new tensor each call) makes the graph capture
 again and copy every such input into buffers of its own before each replay (that
 capture's first replay checked and timed against running uncaptured again), as
@@ -218,7 +221,7 @@ class GraphReplay:
         self.direct_returns = 0
         self._static_order = sorted(self.static_indices)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.static_inputs: list[torch.Tensor] = []
+        self.static_inputs: list[torch.Tensor | None] = []   # None: read in place
         self.static_outputs: Any = None
         # Fixed at each capture: the outputs handed over (cloned), the non-static mutated
         # inputs' (index, new value), the indices of inputs copied in.
@@ -511,6 +514,8 @@ class GraphReplay:
             self._handed = []
             self._outside = self._by_place(values)[1]
             self._copied = [i for i in range(len(inputs)) if i not in kept]
+            for i in self.direct:     # read where a call passes them: no reference kept
+                self.static_inputs[i] = None
             self.captures += 1
         except Exception as err:  # noqa: BLE001 - capture failure: run uncaptured, say why
             self.graph = None

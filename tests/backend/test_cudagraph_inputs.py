@@ -28,19 +28,30 @@ def _replay_of(monkeypatch, fn, example, static=(), mutating=False):
     replay = cudagraphs.GraphReplay(program, set(static))
 
     class _Graph:
-        def replay(self):  # as a CUDA graph does: the captured outputs' memory rewritten
-            fresh = program.run_inputs(replay.static_inputs)
+        """Reads the tensors the capture read (a CUDA graph reads their addresses; here
+        the caller's own tensors stand for the memory at them), writes its outputs."""
+
+        def __init__(self):
+            self.read = list(replay.static_inputs)
+
+        def replay(self):
+            fresh = program.run_inputs(self.read)
             own, values = split_outputs(fresh, writebacks)
             for dst, src in zip(replay.static_outputs, fresh):
                 dst.copy_(src)
             inside, _ = replay._by_place(values)
-            write_back([replay.static_inputs[i] for i, _ in inside], [v for _, v in inside])
+            write_back([self.read[i] for i, _ in inside], [v for _, v in inside])
 
     monkeypatch.setattr(cudagraphs, "capture", lambda run: (_Graph(), run()))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(cudagraphs, "wall_ms", lambda call: (call(), 1.0)[-1])
     replay.warm = True
     return replay
+
+
+def _graph_reads(replay, i):
+    """The tensor the stand-in graph reads for input ``i``."""
+    return replay.graph.read[i]
 
 
 def test_an_input_at_the_same_address_is_read_in_place_and_a_moved_one_copied_from_then_on(
@@ -51,7 +62,8 @@ def test_an_input_at_the_same_address_is_read_in_place_and_a_moved_one_copied_fr
     (out,) = replay([x, w])
     torch.testing.assert_close(out, x * w, rtol=0, atol=0)
     assert replay.direct == {0} and replay._copied == []
-    assert replay.static_inputs[0] is x                      # no copy of the caller's input
+    assert _graph_reads(replay, 0) is x                       # no copy of the caller's input
+    assert replay.static_inputs[0] is None                   # and no reference kept
     x.mul_(3.0)                                              # changed in place, same address
     (out,) = replay([x, w])
     torch.testing.assert_close(out, x * w, rtol=0, atol=0)
@@ -61,7 +73,7 @@ def test_an_input_at_the_same_address_is_read_in_place_and_a_moved_one_copied_fr
     (out,) = replay([y, w])
     torch.testing.assert_close(out, y * w, rtol=0, atol=0)
     assert replay.direct == set() and replay._copied == [0]
-    assert replay.static_inputs[0] is not y and replay.static_inputs[0] is not x
+    assert _graph_reads(replay, 0) is not y and _graph_reads(replay, 0) is not x
     assert replay.captures == 1 and replay.disabled is None  # not a moved parameter
     notes = replay.program.notes_sink
     assert any("copied in: input 0" in n for n in notes)
@@ -71,11 +83,11 @@ def test_an_input_at_the_same_address_is_read_in_place_and_a_moved_one_copied_fr
     for _ in range(STABLE_CALLS - 1):                        # no further capture yet
         (out,) = replay([z, w])
         torch.testing.assert_close(out, z * w, rtol=0, atol=0)
-        assert replay.direct == set() and replay.static_inputs[0] is not z
+        assert replay.direct == set() and _graph_reads(replay, 0) is not z
     z.add_(1.0)
     (out,) = replay([z, w])                # stayed put: read in place again, re-checked
     torch.testing.assert_close(out, z * w, rtol=0, atol=0)
-    assert replay.direct == {0} and replay.static_inputs[0] is z and replay._copied == []
+    assert replay.direct == {0} and _graph_reads(replay, 0) is z and replay._copied == []
     assert any("read in place again" in n for n in notes) and replay.captures == 1
     assert sum(n.startswith("one call: ") for n in notes) == 3
 

@@ -174,12 +174,15 @@ def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
     replay = cudagraphs.GraphReplay(program, {1})          # count: a buffer, read in place
 
     class _Graph:
+        def __init__(self):   # what the capture read (in place or the graph's copies)
+            self.read = list(replay.static_inputs)
+
         def replay(self):  # as a CUDA graph does: the captured outputs' memory rewritten
-            fresh = program.run_inputs(replay.static_inputs)
+            fresh = program.run_inputs(self.read)
             for dst, src in zip(replay.static_outputs, fresh):
                 dst.copy_(src)
             _, values = split_outputs(fresh, writebacks)
-            write_back([replay.static_inputs[1]], values)
+            write_back([self.read[1]], values)
 
     monkeypatch.setattr(cudagraphs, "capture", lambda fn: (_Graph(), fn()))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # fn(): uncaptured
@@ -214,8 +217,11 @@ def test_a_replayed_program_drawing_random_numbers_draws_what_eager_would(monkey
     replay = cudagraphs.GraphReplay(program, set(), random=True)
 
     class _Graph:
+        def __init__(self):   # what the capture read (in place or the graph's copies)
+            self.read = list(replay.static_inputs)
+
         def replay(self):  # as a CUDA graph does: draws from the generator as it is now
-            for dst, src in zip(replay.static_outputs, program.run_inputs(replay.static_inputs)):
+            for dst, src in zip(replay.static_outputs, program.run_inputs(self.read)):
                 dst.copy_(src)
 
     monkeypatch.setattr(cudagraphs, "capture", lambda fn: (_Graph(), fn()))
