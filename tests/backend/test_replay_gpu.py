@@ -45,17 +45,57 @@ def test_replayed_training_mode_batchnorm_updates_its_statistics_once_a_call():
 
 
 def test_replay_is_turned_off_where_copies_cost_more_than_launches():
-    """One pointwise kernel over 1 GiB: a replay adds a 1 GiB copy in and out."""
+    """One pointwise kernel over 1 GiB, a new input each call (all held, so none lands
+    where the last one was): once the input moves, a replay adds a 1 GiB copy in, and
+    the re-timed first replay of the copying graph turns replay off."""
     model = torch.nn.Hardtanh().cuda()
     backend = StitchBackend()
     compiled = torch.compile(model, backend=backend)
-    x = torch.randn(256 * 2**20, device="cuda")
+    xs = [torch.randn(256 * 2**20, device="cuda") for _ in range(4)]
     with torch.no_grad():
-        outs = [compiled(x) for _ in range(4)]
-    for y in outs:
+        outs = [compiled(x) for x in xs]
+    for x, y in zip(xs, outs):
         torch.testing.assert_close(y, model(x), rtol=0, atol=0)
     notes = _replay_notes(backend)
+    assert any("inputs copied in" in n for n in _all_notes(backend)), _all_notes(backend)
     assert any("replay off: slower than running uncaptured" in n for n in notes), notes
+
+
+def _all_notes(backend):
+    return [n for rec in backend.records for n in rec.notes]
+
+
+def test_an_input_passed_at_one_address_is_read_in_place(monkeypatch):
+    """The same input tensor every call (changed in place between calls), then new ones:
+    each result is eager's; the replay read the first in place, copied the moved ones in,
+    and read them in place again once they stayed put."""
+    from stitch_backend import cudagraphs
+
+    monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn, runs=5: (fn(), 1.0)[1])  # replay kept
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
+                                torch.nn.Linear(128, 32)).cuda().eval()
+    backend = StitchBackend(options={"eager_guard": False})
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(16, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            x.mul_(1.5)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+        (rec,) = backend.records
+        replay = rec.program.replay
+        assert replay is not None and replay.graph is not None, rec.notes
+        assert replay.direct and not replay._copied, (replay.direct, rec.notes)
+        ys = [torch.randn(16, 64, device="cuda") for _ in range(2)]
+        for y in ys:                                  # moved: copied in
+            torch.testing.assert_close(compiled(y), model(y), atol=1e-4, rtol=1e-4)
+        assert replay.direct == set() and replay._copied, rec.notes
+        z = torch.randn(16, 64, device="cuda")
+        for _ in range(cudagraphs.STABLE_CALLS + 1):  # stays put: read in place again
+            z.add_(0.25)
+            torch.testing.assert_close(compiled(z), model(z), atol=1e-4, rtol=1e-4)
+        assert replay.direct and replay.direct_returns == 1, rec.notes
+        assert replay.disabled is None, rec.notes
 
 
 class _SlicedState(torch.nn.Module):
