@@ -354,12 +354,18 @@ class GraphReplay:
         if not moved:
             return
         self.direct = set()
-        self.checked = False
-        self.captures = max(0, self.captures - 1)
         self._stable = (0, ())
-        self.program.notes_sink.append(
+        self._input_mode_changed(
             f"CUDA graph inputs copied in: input {moved[0]} was read in place until a call "
             "passed it at another address (captured again)")
+
+    def _input_mode_changed(self, note: str) -> None:
+        """The inputs switch between read in place and copied in: the capture this calls
+        for does not count as a moved parameter's, and its first replay is checked and
+        timed against running uncaptured again."""
+        self.checked = False
+        self.captures = max(0, self.captures - 1)
+        self.program.notes_sink.append(note)
 
     def _inputs_settled(self, inputs: list[torch.Tensor]) -> bool:
         """Whether inputs copied in since one moved have now stayed at one address for
@@ -375,9 +381,7 @@ class GraphReplay:
             return False
         self.direct = None          # decided again at the capture
         self.direct_returns += 1
-        self.checked = False
-        self.captures = max(0, self.captures - 1)
-        self.program.notes_sink.append(
+        self._input_mode_changed(
             f"CUDA graph inputs read in place again: they stayed at one address for "
             f"{STABLE_CALLS} calls in a row (captured again; {self.direct_returns} of "
             f"{DIRECT_RETURNS})")

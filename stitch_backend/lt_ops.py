@@ -307,19 +307,17 @@ def lt_call(graph: torch.fx.Graph, l_mm: torch.fx.Node, bias: torch.fx.Node | No
     """The ``lt_ops`` call computing ``l_mm`` (an addmm's own bias, or ``bias`` added to an
     mm) with ``epilogue`` (and ``residual``, viewed as the product, added as C), inserted
     at the graph's insertion point, with ``l_mm``'s meta."""
-    if residual is not None:
-        addmm = l_mm.target is aten.addmm.default
-        a, b = l_mm.args[1:3] if addmm else l_mm.args[:2]
-        shape = list(l_mm.meta["val"].shape)
-        c = graph.call_function(aten.view.default, (residual, shape))
-        call = graph.call_function(lt_residual, (a, b, l_mm.args[0] if addmm else bias, c,
-                                                 epilogue))
-    elif l_mm.target is aten.addmm.default:
-        call = graph.call_function(lt_addmm, (*l_mm.args[:3], epilogue))
-    elif bias is not None:
-        call = graph.call_function(lt_addmm, (bias, *l_mm.args[:2], epilogue))
+    if l_mm.target is aten.addmm.default:
+        bias, a, b = l_mm.args[:3]
     else:
-        call = graph.call_function(lt_mm, (*l_mm.args[:2], epilogue))
+        a, b = l_mm.args[:2]
+    if residual is not None:
+        c = graph.call_function(aten.view.default, (residual, list(l_mm.meta["val"].shape)))
+        call = graph.call_function(lt_residual, (a, b, bias, c, epilogue))
+    elif bias is not None:
+        call = graph.call_function(lt_addmm, (bias, a, b, epilogue))
+    else:
+        call = graph.call_function(lt_mm, (a, b, epilogue))
     call.meta = dict(l_mm.meta)
     return call
 
