@@ -259,21 +259,12 @@ template <int N, typename T> __device__ __forceinline__ sfk_vec<T, N> sfk_ldv(co
   return *reinterpret_cast<const sfk_vec<T, N>*>(p);
 }
 // The chunk at p, or zeros without touching memory where no lane will read it (a load
-// that only one branch of a where reads; codegen/guards.py). SFK_LDV_UNLESS_PRED: an
-// fp32 chunk by one predicated load instead of a branch (kb microbenchmark; ptxas then
-// kept the 1024-thread softmax at 32 registers and spilled 14 bytes).
+// that only one branch of a where reads; codegen/guards.py).
 template <int N, typename T> __device__ __forceinline__ sfk_vec<T, N> sfk_ldv_unless(bool skip, const T* p) {
-  return skip ? sfk_vec<T, N>{} : *reinterpret_cast<const sfk_vec<T, N>*>(p);
-}
-#ifdef SFK_LDV_UNLESS_PRED
-template <> __device__ __forceinline__ sfk_vec<float, 4> sfk_ldv_unless<4, float>(bool skip, const float* p) {
-  sfk_vec<float, 4> x{};
-  asm("{\n .reg .pred q;\n setp.ne.b32 q, %4, 0;\n"
-      " @!q ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%5];\n}"
-      : "+f"(x.v[0]), "+f"(x.v[1]), "+f"(x.v[2]), "+f"(x.v[3]) : "r"((int)skip), "l"(p));
+  sfk_vec<T, N> x{};
+  if (!skip) x = *reinterpret_cast<const sfk_vec<T, N>*>(p);
   return x;
 }
-#endif
 template <int N, typename T> __device__ __forceinline__ void sfk_stv(T* p, const sfk_vec<T, N>& x) {
   *reinterpret_cast<sfk_vec<T, N>*>(p) = x;
 }
