@@ -50,30 +50,18 @@ def _reaches(roots: list[Expr], target: Expr, cut: Op | None = None, branch: int
     return False
 
 
-def _broadcast_condition(cond: Expr, ld: Load) -> bool:
-    """Whether every load ``cond`` reads is indexed by fewer loop variables than ``ld``
-    (a mask shared across the batch and heads, as a causal one is), or it reads none
-    (positions compared). A condition on values of ``ld``'s own shape (ReLU's backward,
-    where(x <= 0, 0, grad)) varies element by element: a chunk whose lanes all skip is
-    rare there, while every chunk's load would wait for the condition's."""
-    mine = ld.offset.free_symbols
-    return all(n.offset.free_symbols < mine for n in walk([cond]) if isinstance(n, Load))
-
-
 def guarded_loads(ir: KernelIR, vloads: dict) -> dict[Load, Guard]:
     """For each of ``vloads`` (the kernel's vector loads) that only one branch of one
     ``where`` reads, the condition under which a chunk need not be loaded. A condition
     that reads a reduction's result or another guarded load disqualifies its guard, so
-    every condition can be evaluated from loads made before the guarded ones; so does one
-that reads values indexed like the load itself (``_broadcast_condition``)."""
+    every condition can be evaluated from loads made before the guarded ones."""
     roots = _roots(ir)
     wheres = [e for e in walk(roots) if isinstance(e, Op) and e.name == "where"]
     out: dict[Load, Guard] = {}
     for ld in vloads:
         for w in wheres:
             cond = w.args[0]
-            if any(isinstance(n, RedRef) for n in walk([cond])) or _reaches([cond], ld) \
-                    or not _broadcast_condition(cond, ld):
+            if any(isinstance(n, RedRef) for n in walk([cond])) or _reaches([cond], ld):
                 continue
             for branch, skip_when in ((2, True), (1, False)):
                 if _reaches([w.args[branch]], ld) and not _reaches(roots, ld, w, branch):

@@ -117,7 +117,6 @@ POINTWISE = [
        | torch.logical_and(a > 0, b < 0) | torch.logical_or(a > 2, b > 2) | torch.logical_not(a > -1), X, X),
     _c("pw_masked_fill_causal", lambda a, m: a.masked_fill(m == 0, 0.0) * 2, T((3, 64, 64)),
        T((64, 64), kind="tril")),
-    _c("pw_where_elementwise_condition", lambda g, x: torch.where(x <= 0, 0.0, g), X, X),
     _c("pw_maximum_minimum", lambda a, b: torch.maximum(a, b) - torch.minimum(a, b * 0.5), X, X),
     _c("pw_sign_rounding", lambda a: torch.sign(a) + (a * 3).floor() + (a * 3).ceil() + (a * 3).round()
        + (a * 3).trunc(), X),

@@ -51,12 +51,10 @@ def test_the_guard_is_the_wheres_condition_and_names_the_branch_that_reads():
 
 
 @pytest.mark.parametrize("name", ["norm_softmax_causal_read_twice", "big_softmax", "pw_where_cmp",
-                                  "norm_layer_norm", "pw_where_elementwise_condition"])
+                                  "norm_layer_norm"])
 def test_loads_read_outside_the_wheres_branch_are_not_skipped(name):
     """The scores added to the softmax again, a where whose condition reads both sides,
-    kernels with no where, and a condition on values of the load's own shape (ReLU's
-    backward: it varies lane by lane, so all four lanes rarely skip): every load stays
-    plain."""
+    and kernels with no where: every load stays plain."""
     k = _kernel(name)
     assert k.emitted.skipped_loads == 0 and "sfk_ldv_unless" not in k.source
 
