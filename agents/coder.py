@@ -94,7 +94,6 @@ class TemplateCoder:
         cand.alternatives += launch_alternatives.row_write_layouts(self, subtask, stages)
         cand.alternatives += launch_alternatives.narrow_columns(self, subtask, stages)
         cand.alternatives += launch_alternatives.single_pass_stats(self, subtask, stages)
-        cand.alternatives += launch_alternatives.loads_kept(self, subtask, stages)
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)

@@ -1,8 +1,8 @@
 """Alternatives of a Coder candidate that differ from it only in how a reduction kernel
 is laid out, launched or summed (the Verifier races each against the candidate and keeps
 the fastest): the column and staged layouts of a reduction that writes across its rows,
-the narrow launch of a column reduction over few rows, variances over long rows in
-one pass, and every load made where the template skips what a where does not read. ``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
+the narrow launch of a column reduction over few rows, and variances over long rows in
+one pass. ``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
 
@@ -83,16 +83,6 @@ def single_pass_stats(coder: Any, subtask: Subtask, stages: list[Stage]) -> list
     return [] if cand is None else [cand]
 
 
-def loads_kept(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
-    """The candidate again with each kernel that skips loads a where does not read
-    (``codegen.guards``: a causal mask's scores above the diagonal) generated to load
-    them all: the skip makes a chunk's load wait for its condition, which can cost more
-    than it saves where few chunks are skipped. None where no kernel skips a load."""
-    cand = _swapped(coder, subtask, stages, lambda k: getattr(
-        getattr(k, "emitted", None), "skipped_loads", 0) > 0, "ld", skip_loads=False)
-    return [] if cand is None else [cand]
-
-
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
              suffix: str, differs: Callable[[Any, Any], bool] | None = None,
              **how: Any) -> Candidate | None:
@@ -121,4 +111,4 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                             list(subtask.region.outputs))
 
 
-__all__ = ["loads_kept", "narrow_columns", "row_write_layouts", "single_pass_stats"]
+__all__ = ["narrow_columns", "row_write_layouts", "single_pass_stats"]

@@ -258,13 +258,6 @@ template <typename T, int N> struct alignas(sizeof(T) * N) sfk_vec {
 template <int N, typename T> __device__ __forceinline__ sfk_vec<T, N> sfk_ldv(const T* p) {
   return *reinterpret_cast<const sfk_vec<T, N>*>(p);
 }
-// The chunk at p, or zeros without touching memory where no lane will read it (a load
-// that only one branch of a where reads; codegen/guards.py).
-template <int N, typename T> __device__ __forceinline__ sfk_vec<T, N> sfk_ldv_unless(bool skip, const T* p) {
-  sfk_vec<T, N> x{};
-  if (!skip) x = *reinterpret_cast<const sfk_vec<T, N>*>(p);
-  return x;
-}
 template <int N, typename T> __device__ __forceinline__ void sfk_stv(T* p, const sfk_vec<T, N>& x) {
   *reinterpret_cast<sfk_vec<T, N>*>(p) = x;
 }

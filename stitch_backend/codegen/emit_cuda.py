@@ -22,7 +22,6 @@ import sympy
 import torch
 
 from .emit_expr import CTYPE, ExprEmitter, Scope, eligible_vector_access
-from .guards import Guard, guarded_loads
 from . import indexing as ix
 from .kernel_ir import KernelIR, Load, Store
 
@@ -43,7 +42,6 @@ class Emitted:
     max_threads: int = 1024   # its __launch_bounds__: the launch never exceeds it
     serial: bool = False      # a reduction whose rows take one thread each (short rows)
     cached_values: int = 0    # values its persistent rows keep in registers (cache_values)
-    skipped_loads: int = 0    # vector loads skipped where a where's other branch is taken
 
 
 # The most rows a reduction's row loop steps at once: its grid (fused.MAX_ROW_BLOCKS at
@@ -76,10 +74,8 @@ def _fits_int32(ir: KernelIR) -> bool:
 
 
 class _Kernel:
-    def __init__(self, ir: KernelIR, skip_loads: bool = False):
+    def __init__(self, ir: KernelIR):
         self.ir = ir
-        self.skip_loads = skip_loads    # guards.guarded_loads applies
-        self.skipped: set[str] = set()  # the vector loads it guarded
         self.idx64 = not _fits_int32(ir)
         self.IDX = "long long" if self.idx64 else "int"
         self.data = dict(ir.data_vars)
@@ -156,8 +152,8 @@ class _Kernel:
 # ============================================================================ pointwise
 
 
-def _emit_pointwise(ir: KernelIR, skip_loads: bool) -> Emitted:
-    k = _Kernel(ir, skip_loads)
+def _emit_pointwise(ir: KernelIR) -> Emitted:
+    k = _Kernel(ir)
     d = ir.domain
     vars_ = list(d.row_vars)
     tiled = transpose_axes(ir)
@@ -187,8 +183,7 @@ def _emit_pointwise(ir: KernelIR, skip_loads: bool) -> Emitted:
         L.append("  }")
     L += _pointwise_body(k, ir, vars_, 1, {}, {}, "  ", root)
     L.append("}")
-    return Emitted("\n".join(L) + "\n", ir.name, sig, "pointwise", "", vec, k.idx64, (), names,
-                   skipped_loads=len(k.skipped))
+    return Emitted("\n".join(L) + "\n", ir.name, sig, "pointwise", "", vec, k.idx64, (), names)
 
 
 # A transposing region is tiled when both of its tile axes are at least this long.
@@ -333,21 +328,13 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     b0 = sympy.Symbol(f"{var}_0")
     cached = cached or {}
     loaded: dict[str, int] = {}      # vector name -> its line, dropped if this pass never reads it
-    guards = guarded_loads(k.ir, vloads) if k.skip_loads else {}
-    predicates: list[str] = []       # the lines that decide the guarded loads
-    # unguarded loads first: the guards' conditions read them
-    for load, name in sorted(vloads.items(), key=lambda item: item[0] in guards):
+    for load, name in vloads.items():
         vt = f"sfk_vec<{k.ptr[load.buf]}, {vec}>"
         if cached.get(name) == "use":
             scope.lines.append(f"{ind}const {vt} {name} = c_{name}[j];")
             continue
         off = em.index(load.offset.xreplace({var: b0}), scope)
         value = f"sfk_ldv<{vec}>({load.buf} + {off})"
-        if load in guards:
-            skip = _chunk_predicate(k, em, scope, var, vec, vloads, guards[load], name, ind)
-            k.skipped.add(name)
-            predicates += scope.lines[-skip:]
-            value = f"sfk_ldv_unless<{vec}>(skip_{name}, {load.buf} + {off})"
         if cached.get(name) == "fill":
             value = f"(c_{name}[j] = {value})"
         else:
@@ -361,7 +348,7 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     em.overrides = {ld: f"sfk_val({name}.v[v])" for ld, name in vloads.items()}
     em.override_deps = {var, sympy.Symbol("v")}
     body(inner)
-    text = "\n".join(inner.render() + predicates)
+    text = "\n".join(inner.render())
     unread = {loaded[n] for n in loaded if f"{n}.v[" not in text}
     scope.lines[:] = [line for i, line in enumerate(scope.lines) if i not in unread]
     scope.lines += [f"{ind}#pragma unroll", f"{ind}for (int v = 0; v < {vec}; ++v) {{"]
@@ -371,28 +358,6 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     for st, name in vstores.items():
         off = em.index(st.offset.xreplace({var: b0}), scope)
         scope.lines.append(f"{ind}sfk_stv<{vec}>({k.out_names[st.out]} + {off}, {name});")
-
-
-def _chunk_predicate(k, em, scope, var, vec, vloads, guard: Guard, name: str, ind: str) -> int:
-    """Declare ``skip_NAME``: whether every lane of the chunk takes the branch of
-    ``guard``'s ``where`` that does not read load NAME; returns the number of lines.
-    The condition reads the chunk's unguarded vector loads (declared before this)."""
-    start = len(scope.lines)
-    lanes = Scope(scope, {var, sympy.Symbol("v")}, ind + "  ")
-    lanes.vector = True
-    lanes.pre.append(f"{ind}  const {k.IDX} {var} = {var}_0 + v;")
-    em.overrides = {ld: f"sfk_val({n}.v[v])" for ld, n in vloads.items()}
-    em.override_deps = {var, sympy.Symbol("v")}
-    fills, em.fills = em.fills, {}     # the pass's register arrays are filled in its body
-    cond = em.value(guard.cond, lanes)
-    em.fills = fills
-    em.overrides, em.override_deps = {}, set()
-    test = f"({cond})" if guard.skip_when else f"!({cond})"
-    scope.lines += [f"{ind}bool skip_{name} = true;  // no lane reads it (a where's other branch)",
-                    f"{ind}#pragma unroll", f"{ind}for (int v = 0; v < {vec}; ++v) {{"]
-    scope.lines += lanes.render()
-    scope.lines += [f"{ind}  skip_{name} = skip_{name} && {test};", f"{ind}}}"]
-    return len(scope.lines) - start
 
 
 def _store_lane(k, em, inner, st: Store, name: str) -> None:
@@ -414,20 +379,18 @@ def _emit_store(k, em, scope, st: Store, cond: str = "") -> None:
     scope.lines.append(scope.ind + stmt)
 
 
-def emit(ir: KernelIR, layout: str | None = None, cache_values: bool = False,
-         skip_loads: bool = True) -> Emitted:
+def emit(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
     """CUDA source for ``ir``; raises ``Unsupported`` for what the templates lack.
     ``layout`` forces a reduction's thread layout ("inner", "column" or "staged");
     ``cache_values`` its persistent rows' register arrays of values, not loads (a
-    pointwise kernel, one pass, has nothing to keep); ``skip_loads`` a vector chunk's
-    load where no lane takes the branch of a where that reads it (``guards``)."""
+    pointwise kernel, one pass, has nothing to keep)."""
     if ir.is_reduction:
         from .emit_reduction import emit_reduction   # it builds on this module's _Kernel
 
-        return emit_reduction(ir, layout, cache_values, skip_loads)
+        return emit_reduction(ir, layout, cache_values)
     if layout is not None:
         raise ValueError(f"a pointwise region has no reduction layout ({layout!r})")
-    return _emit_pointwise(ir, skip_loads)
+    return _emit_pointwise(ir)
 
 
 __all__ = ["Emitted", "emit"]

@@ -146,19 +146,17 @@ def stores_across_rows(ir: KernelIR) -> bool:
 SERIAL_MAX_K = 32
 
 
-def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool = False,
-                   skip_loads: bool = True) -> Emitted:
+def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
     """The reduction kernel of ``ir``, in ``layout`` ("inner", "column" or "staged"
     (``emit_staged``); by default the one its loads favour). ``cache_values``: persistent
-    rows keep computed values between passes, not loads (``persist.value_passes``);
-    ``skip_loads``: vector chunks a where does not read are not loaded (``guards``)."""
+    rows keep computed values between passes, not loads (``persist.value_passes``)."""
     if layout not in (None, "inner", "column", "staged"):
         raise ValueError(f"unknown reduction layout {layout!r}")
     if layout == "staged":
         from .emit_staged import emit_staged   # it builds on this module's helpers
 
         return emit_staged(ir)
-    k = _Kernel(ir, skip_loads)
+    k = _Kernel(ir)
     d = ir.domain
     layout = layout or _layout(ir)
     outer = ir.outer_reductions
@@ -285,8 +283,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     L.append("}")
     return Emitted("\n".join(L) + "\n", ir.name, sig, "reduction", layout, vec, k.idx64,
                    workspaces, names, max_threads, serial=serial is not None,
-                   cached_values=len({e for _, fills in values or [] for e in fills}),
-                   skipped_loads=len(k.skipped))
+                   cached_values=len({e for _, fills in values or [] for e in fills}))
 
 
 def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:

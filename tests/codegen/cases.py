@@ -26,7 +26,7 @@ class T:
 
     shape: tuple
     dtype: torch.dtype = f32
-    kind: str = "normal"  # normal | pos | int:<lo>:<hi> | bool | tril (a causal mask of ones)
+    kind: str = "normal"  # normal | pos | int:<lo>:<hi> | bool
     perm: tuple | None = None  # permute after making (a non-contiguous input)
     slice_last: int | None = None  # x[..., :n] (a strided input)
 
@@ -39,8 +39,6 @@ class T:
             x = torch.randint(int(lo), int(hi), shape, generator=g).to(self.dtype)
         elif self.kind == "bool":
             x = torch.rand(shape, generator=g) > 0.5
-        elif self.kind == "tril":
-            x = torch.ones(shape, dtype=self.dtype).tril()
         else:
             x = torch.randn(shape, generator=g, dtype=torch.float32)
             if self.kind == "pos":
@@ -115,8 +113,6 @@ POINTWISE = [
        + (a <= b).float() + (a >= 0.5).float() + (a < b).float(), X, X),
     _c("pw_logical_bitwise", lambda a, b: ((a > 0) & (b > 0)) | ((a < 0) ^ (b > 0.5)) | ~(a > 1)
        | torch.logical_and(a > 0, b < 0) | torch.logical_or(a > 2, b > 2) | torch.logical_not(a > -1), X, X),
-    _c("pw_masked_fill_causal", lambda a, m: a.masked_fill(m == 0, 0.0) * 2, T((3, 64, 64)),
-       T((64, 64), kind="tril")),
     _c("pw_maximum_minimum", lambda a, b: torch.maximum(a, b) - torch.minimum(a, b * 0.5), X, X),
     _c("pw_sign_rounding", lambda a: torch.sign(a) + (a * 3).floor() + (a * 3).ceil() + (a * 3).round()
        + (a * 3).trunc(), X),
@@ -280,13 +276,6 @@ NORMS = [
     _c("norm_softmax_middle", lambda a: torch.softmax(a, 1), X3),
     _c("norm_softmax_scaled_masked", lambda a, m: torch.softmax(a.masked_fill(m, float("-inf")) * 0.125, -1),
        X, T((6, 40), b8, "bool")),
-    # a causal mask: the scores above the diagonal are never read (codegen/guards.py)
-    _c("norm_softmax_causal", lambda a, m: torch.softmax(torch.where(m == 0, float("-inf"), a * 0.125), -1),
-       T((2, 3, 64, 64)), T((64, 64), kind="tril")),
-    _c("norm_softmax_causal_f16", lambda a, m: torch.softmax(a.masked_fill(m == 0, float("-inf")), -1),
-       T((3, 64, 64), f16), T((64, 64), kind="tril"), atol=1e-2),
-    _c("norm_softmax_causal_read_twice", lambda a, m: torch.softmax(
-        torch.where(m == 0, float("-inf"), a), -1) + a, T((3, 64, 64)), T((64, 64), kind="tril")),
     _c("norm_log_softmax", lambda a: torch.log_softmax(a, -1), X),
     _c("norm_softmax_f16", lambda a: torch.softmax(a, -1), XH, atol=1e-2),
     _c("norm_softmax_f16_to_f32", lambda a: torch.softmax(a, -1, dtype=torch.float32), XH, atol=1e-2),
@@ -351,8 +340,6 @@ CASES = POINTWISE + REDUCTIONS + NORMS + DYNAMIC
 # cross-row last-block stage with hundreds of blocks.
 BIG = [
     _c("big_softmax", lambda a: torch.softmax(a, -1), T((512, 4096))),
-    _c("big_softmax_causal", lambda a, m: torch.softmax(a.masked_fill(m == 0, float("-inf")) * 0.1, -1),
-       T((4, 4, 512, 512)), T((512, 512), kind="tril")),
     # too long a row for the persistent variant: the streaming passes
     _c("big_softmax_long", lambda a: torch.softmax(a, -1), T((16, 16384))),
     _c("big_layer_norm_f16", lambda a, w, b: F.layer_norm(a, (768,), w, b), T((1024, 768), f16),
