@@ -19,6 +19,14 @@ stores):
   still. The registers it holds (74 a thread at 256 threads a block for the masked
   softmax) cost more than the passes it saves, which L1 and L2 serve. So the Coder does
   not propose it; the option stays for tuning (``rows512.py``) and is tested.
+
+Also measured slower on that softmax, and reverted (session 29, ``git log -S
+sfk_ldv_unless``): loading a vector chunk of the scores only where one of its lanes takes
+the branch of ``where(mask == 0, -inf, scores)`` that reads them, which skips about half
+the reads of a causal mask. On the H200 (``kb/tune/skipbench.py``, one run, medians of
+30): 0.945 ms with the load behind a branch, 0.968 as a predicated load, against 0.903
+loading every chunk (eager 2.342). Each chunk's load then waits for its mask's; the
+kernel is not limited by DRAM bandwidth here (2.4 TB/s of the H200's 4.8).
 """
 
 from __future__ import annotations
