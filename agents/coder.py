@@ -20,7 +20,7 @@ from stitch_backend.ir import Region, RegionKind
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import CONSTANT, region_module, split_anchor
 
-from . import launch_alternatives
+from . import gemm_prologue, launch_alternatives
 from .state import Candidate, Stage, Subtask
 
 log = logging.getLogger("stitch_backend.agents.coder")
@@ -70,6 +70,10 @@ class TemplateCoder:
         part = region
         library = None
         conv_tag = None    # the generated convolution's tag, where it is the alternative
+        if subtask.kind == "gemm":
+            pro = gemm_prologue.prologue_names(subtask.graph, region)
+            if pro:       # copies before a bmm (prologue_moves): their own template
+                return gemm_prologue.propose(self, subtask, pro)
         if subtask.kind in ("gemm", "conv"):
             try:
                 head, part = self._split_anchor(subtask)

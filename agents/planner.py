@@ -51,6 +51,7 @@ from stitch_backend.pooling import POOLING
 from stitch_backend.opclass import POOL_OPS, OpClass, classify, fallback_reason, op_name
 from stitch_backend.regions import boundary, feeding
 
+from stitch_backend.agents.prologue_moves import copies_into_products
 from stitch_backend.agents.epilogue_moves import (absorb_split_epilogues, defer_epilogues,
                                                     move_to_sole_reader)
 from stitch_backend.agents.siblings import bases, may_join, numel as _numel, same_numel
@@ -266,6 +267,7 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
 
     defer_epilogues(gm, regions)
     absorb_split_epilogues(gm, regions)
+    copies_into_products(gm, regions)
     _defer_norms(gm, regions)
     _merge_bias_grads(regions)
     _merge_input_only(regions)
