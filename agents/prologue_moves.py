@@ -28,9 +28,11 @@ aten = torch.ops.aten
 
 def copies_into_products(gm: torch.fx.GraphModule, regions: list[_Open]) -> None:
     """For each gemm region with one bmm: where an operand is (through views) a clone of
-    a non-contiguous value (a layout change) in a fused region, and every reader of the clone and of the views between it and the
-    bmm is in the bmm's region, the clone, those views and the views above it that only
-    they read move into the bmm's region. A fused region left empty is dropped."""
+    a non-contiguous value (a layout change) in a fused region, the value it copies comes
+    from outside that region, and every reader of the clone and of the views between it
+    and the bmm is in the bmm's region, the clone, those views and the views above it
+    that only they read move into the bmm's region. A fused region left empty is
+    dropped."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     owner = {n: i for i, r in enumerate(regions) for n in r.nodes}
     for j, region in enumerate(regions):
@@ -76,6 +78,8 @@ def _prologue(operand: object, owner: dict, regions: list[_Open], j: int
             and all(u in moving for u in above.users):
         moving.append(above)
         above = above.args[0]
+    if owner.get(above) == i:
+        return []    # the copy reads what its region computes: moved, that would be written
     members = set(moving)
     if any(u not in members and owner.get(u) != j for n in moving for u in n.users):
         return []

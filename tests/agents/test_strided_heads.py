@@ -215,3 +215,19 @@ def test_on_the_gpu_per_head_calls_give_atens_products_and_the_model_eagers_valu
         for region in _bmm_regions(rec):
             # the prologue kernel or the per-head calls, by the Verifier's timing
             assert region.backend == "kernel" or region.reason, region
+
+
+def test_a_copy_of_what_its_region_computes_stays_there():
+    """y = relu(x) permuted and copied before a bmm: moved, the copy would read y from
+    memory, which its fused region now computes in the kernel that writes the copy."""
+
+    class Computed(nn.Module):
+        def forward(self, x, w):
+            y = torch.relu(x).transpose(1, 2).contiguous()
+            return y @ w
+
+    rec = _plain_record(Computed(), torch.randn(4, 16, 8), torch.randn(4, 16, 5))
+    (region,) = _bmm_regions(rec)
+    assert CLONE not in _node_ops(rec, region)
+    (copier,) = [r for r in rec.plan.regions if CLONE in _node_ops(rec, r)]
+    assert "aten.relu.default" in _node_ops(rec, copier)
