@@ -171,7 +171,20 @@ def test_a_library_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
     model = Linear(torch.relu, tail=False)
     reference = copy.deepcopy(model)
     x = torch.randn(64, 32)
-    options = {"cpu_interpret": True, "cache_dir": str(tmp_path), "eager_guard": False}
+    first, second = compile_twice(model, reference, x, {
+        "cpu_interpret": True, "cache_dir": str(tmp_path), "eager_guard": False})
+    gemm = [r for r in first.plan.regions if r.kind.value == "gemm"]
+    assert gemm and gemm[0].backend == "kernel" and gemm[0].kernel.endswith("_lt"), gemm
+    assert not first.cached and second.cached, second.notes
+    assert [r.kernel for r in second.plan.regions] == [r.kernel for r in first.plan.regions]
+
+
+def compile_twice(model, reference, x, options) -> tuple:
+    """The records of two compiles of ``model`` with ``options`` (a fresh Dynamo each
+    time: the second finds the first's cache), each called twice on ``x`` with
+    ``reference``'s values."""
+    import torch._dynamo
+
     records = []
     for _ in range(2):
         torch._dynamo.reset()
@@ -182,11 +195,7 @@ def test_a_library_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
                 torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-5)
         (rec,) = backend.records
         records.append(rec)
-    first, second = records
-    gemm = [r for r in first.plan.regions if r.kind.value == "gemm"]
-    assert gemm and gemm[0].backend == "kernel" and gemm[0].kernel.endswith("_lt"), gemm
-    assert not first.cached and second.cached, second.notes
-    assert [r.kernel for r in second.plan.regions] == [r.kernel for r in first.plan.regions]
+    return tuple(records)
 
 
 def _plain_reference(a, b, bias, epilogue):

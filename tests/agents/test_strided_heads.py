@@ -231,3 +231,30 @@ def test_a_copy_of_what_its_region_computes_stays_there():
     assert CLONE not in _node_ops(rec, region)
     (copier,) = [r for r in rec.plan.regions if CLONE in _node_ops(rec, r)]
     assert "aten.relu.default" in _node_ops(rec, copier)
+
+
+def test_a_per_head_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
+    """The whole pipeline on CPU (cpu_interpret), each head's product by a stand-in; CPU
+    runs are not timed, so the race is scripted (the last verified candidate wins): the
+    per-head calls win both bmm regions, the model gives eager's values, and a second
+    compile loads the same choices from the cache."""
+    import copy
+
+    from stitch_backend.agents import acceptance
+
+    from .test_lt_alternative import compile_twice
+
+    monkeypatch.setattr(acceptance, "_faster", lambda a, b: True)
+    monkeypatch.setattr(TemplateCoder, "library_on_cpu", True)
+    monkeypatch.setattr(lt_heads, "_product", _reference_product)
+    torch.manual_seed(0)
+    model = CausalAttention()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16, 32)
+    first, second = compile_twice(model, reference, x, {
+        "cpu_interpret": True, "cache_dir": str(tmp_path), "eager_guard": False,
+        "layout_race": False})
+    winners = [r.kernel for r in _bmm_regions(first)]
+    assert all(w is not None and w.endswith("_lt") for w in winners), winners
+    assert not first.cached and second.cached, second.notes
+    assert [r.kernel for r in second.plan.regions] == [r.kernel for r in first.plan.regions]
