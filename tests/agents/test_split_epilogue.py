@@ -104,20 +104,26 @@ def test_parts_of_two_sizes_keep_their_own_region():
     assert owner == "fused", ops
 
 
-def test_a_training_step_through_the_merged_epilogue_gives_eager_gradients():
+def training_step_matches(make, x):
+    """One training step of ``make()`` compiled (the CPU interpreter) and of an eager copy
+    with the same weights: the same gradients for ``x`` and every parameter. The backend."""
     from stitch_backend.backend import StitchBackend
 
     torch.manual_seed(0)
-    model, ref = PackedAttention(), PackedAttention()
+    model, ref = make(), make()
     ref.load_state_dict(model.state_dict())
-    x = torch.randn(3, 5, 32, requires_grad=True)
+    x = x.detach().clone().requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
-    out = torch.compile(model, backend=backend)(x)
-    out.square().sum().backward()
+    torch.compile(model, backend=backend)(x).square().sum().backward()
     ref(x_ref).square().sum().backward()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-4)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    return backend
+
+
+def test_a_training_step_through_the_merged_epilogue_gives_eager_gradients():
+    backend = training_step_matches(PackedAttention, torch.randn(3, 5, 32))
     (forward,) = [r for r in backend.records if r.stage == "forward"]
     assert _scaling_host(forward).backend == "kernel"

@@ -264,19 +264,9 @@ def test_a_training_step_through_the_moved_copies_gives_eager_gradients():
     """Forward and backward graphs both hold bmms of copied views (the backward's
     products of gradients with q, k, v): planned with the move, interpreted on the CPU,
     the gradients are eager's."""
-    from stitch_backend.backend import StitchBackend
+    from .test_split_epilogue import training_step_matches
 
-    torch.manual_seed(0)
-    model, ref = CausalAttention(), CausalAttention()
-    ref.load_state_dict(model.state_dict())
-    x = torch.randn(2, 16, 32, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_()
-    backend = StitchBackend(options={"cpu_interpret": True, "cache": False})
-    torch.compile(model, backend=backend)(x).square().sum().backward()
-    ref(x_ref).square().sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-4)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    backend = training_step_matches(CausalAttention, torch.randn(2, 16, 32))
     moved = [r for rec in backend.records for r in _bmm_regions(rec)
              if CLONE in _node_ops(rec, r)]
     # a kernel, or ATen with the reason (at these sizes the memory rule can keep a
