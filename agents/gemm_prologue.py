@@ -47,7 +47,8 @@ def propose(coder: Any, subtask: Subtask, pro: list[str]) -> Candidate:
     nodes = {n.name: n for n in gm.graph.nodes}
     stages = coder._kernel_stages(subtask, pro, "prologue", prefix=f"{subtask.region_name}_in",
                                   id_base=600)
-    rest = [n for n in region.nodes if n not in set(pro)]
+    taken = set(pro)
+    rest = [n for n in region.nodes if n not in taken]
     parts = split_anchor(gm, sub_region(gm, rest, subtask.region_id, 650), GEMM_OPS)
     if parts is None or all(classify(nodes[n]) is OpClass.VIEW for n in parts[1].nodes):
         library = sub_region(gm, rest, subtask.region_id, 660)

@@ -60,7 +60,7 @@ def _prologue(operand: object, owner: dict, regions: list[_Open], j: int
     chain: list[torch.fx.Node] = []
     node = operand
     while isinstance(node, torch.fx.Node) and node.op == "call_function" \
-            and classify(node) is OpClass.VIEW and node.target is not aten.clone.default:
+            and classify(node) is OpClass.VIEW:
         chain.append(node)
         node = node.args[0]
     if not isinstance(node, torch.fx.Node) or node.target is not aten.clone.default:
@@ -74,8 +74,7 @@ def _prologue(operand: object, owner: dict, regions: list[_Open], j: int
     moving = [node] + [n for n in chain if owner.get(n) == i]
     above = node.args[0]     # views above the clone that only the moving nodes read
     while isinstance(above, torch.fx.Node) and owner.get(above) == i \
-            and classify(above) is OpClass.VIEW and above.target is not aten.clone.default \
-            and all(u in moving for u in above.users):
+            and classify(above) is OpClass.VIEW and all(u in moving for u in above.users):
         moving.append(above)
         above = above.args[0]
     if owner.get(above) == i:

@@ -133,14 +133,12 @@ def lt_bmm_heads(a: torch.Tensor, b: torch.Tensor, perm: list[int],
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` (3-D, batched) by cuBLASLt, the algorithm timed at the problem's
-    first call (``lt_ops._choose``). Looked up at each call so that CPU tests can stand
-    in for the library."""
+    """``out = a @ b`` (3-D, batched) by ``lt_ops._matmul`` (the algorithm timed at the
+    problem's first call). Looked up at each call so that CPU tests can stand in for the
+    library."""
     from . import lt_ops
 
-    tf32 = lt_ops._tf32(a)
-    algo = lt_ops._choose(a, b, None, "DEFAULT", tf32)
-    lt_ops._runtime().matmul(a, b, out=out, allow_tf32=tf32, algo_index=algo)
+    lt_ops._matmul(a, b, None, "DEFAULT", out=out)
 
 
 __all__ = ["HeadsPattern", "heads_pattern", "lt_bmm_heads"]

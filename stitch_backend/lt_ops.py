@@ -52,14 +52,16 @@ def _tf32(a: torch.Tensor) -> bool:
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-            epilogue: str, c: torch.Tensor | None = None) -> torch.Tensor:
-    """``epilogue(a @ b (+ c) (+ bias))``: ``c``, where given, added with beta = 1."""
+            epilogue: str, c: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``epilogue(a @ b (+ c) (+ bias))``: ``c``, where given, added with beta = 1;
+    written into ``out`` (any rows-contiguous layout, ``lt_heads``) where given."""
     lt = _runtime()
     tf32 = _tf32(a)
     added = {} if c is None else {"c": c, "beta": 1.0}
     algo = _choose(a, b, bias, epilogue, tf32, added)
     return lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo,
-                     **added)
+                     out=out, **added)
 
 
 def _bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
