@@ -60,8 +60,9 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     tf32 = _tf32(a)
     added = {} if c is None else {"c": c, "beta": 1.0}
     algo = _choose(a, b, bias, epilogue, tf32, added)
+    into = {} if out is None else {"out": out}
     return lt.matmul(a, b, bias=bias, epilogue=epilogue, allow_tf32=tf32, algo_index=algo,
-                     out=out, **added)
+                     **added, **into)
 
 
 def _bgrad(g: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
