@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from .emit_expr import CTYPE, ExprEmitter, Scope, eligible_vector_access
+from .emit_expr import CTYPE, ExprEmitter, Scope, VectorChunk, eligible_vector_access
 from . import indexing as ix
 from .kernel_ir import KernelIR, Load, Store
 
@@ -347,7 +347,10 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     inner.pre.append(f"{ind}  const {k.IDX} {var} = {var}_0 + v;")
     em.overrides = {ld: f"sfk_val({name}.v[v])" for ld, name in vloads.items()}
     em.override_deps = {var, sympy.Symbol("v")}
+    if not cached:   # (a persistent pass keeps every load's registers as they are)
+        em.chunk = VectorChunk(scope, var, vec, dict(vloads))
     body(inner)
+    em.chunk = None
     text = "\n".join(inner.render())
     unread = {loaded[n] for n in loaded if f"{n}.v[" not in text}
     scope.lines[:] = [line for i, line in enumerate(scope.lines) if i not in unread]

@@ -8,6 +8,7 @@ the loop variables it reads are defined, so loop-invariant work is done once.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import sympy
 import torch
@@ -61,6 +62,7 @@ class Scope:
         self.lines: list[str] = []
         self.names: dict = {}
         self.vector = False
+        self.branch = False   # one side of an ``if`` (``ExprEmitter._branches``)
 
     def chain(self) -> list["Scope"]:
         out, s = [], self
@@ -92,6 +94,18 @@ def literal(value, dtype: torch.dtype) -> str:
     return f"(({ct}){v})"
 
 
+@dataclass
+class VectorChunk:
+    """The vector chunk being emitted: its scope, the variable along it, its width,
+    its vector loads, and the wheres it picks loads by (-> each lane's value)."""
+
+    scope: Scope
+    var: sympy.Symbol
+    vec: int
+    loads: dict
+    picked: dict = field(default_factory=dict)
+
+
 class ExprEmitter:
     def __init__(self, kernel, ir):
         self.k = kernel
@@ -105,6 +119,9 @@ class ExprEmitter:
         # and values it computes and keeps there for a later pass (C lvalues)
         self.value_uses: dict = {}
         self.fills: dict = {}
+        # a vector chunk's loads (``emit_cuda._vector_chunk``): a where that picks one of
+        # them by a condition the chunk's lanes share loads only the one it picks
+        self.chunk: VectorChunk | None = None
         self.count = 0
 
     # -- dependencies --------------------------------------------------------------------
@@ -232,7 +249,14 @@ class ExprEmitter:
         for s in scope.chain():
             if e in s.names:
                 return s.names[e]
+        if self.chunk is not None and isinstance(e, Op) and e.name == "where":
+            picked = self._vector_pick(e)
+            if picked is not None:
+                return picked
         target = self._target(self.deps(e), scope)
+        target = self._inside_branch(e, scope, target)
+        if isinstance(e, Op) and e.name == "where" and self._lazy(e):
+            return self._branches(e, target)
         text, trivial = self._c(e, target)
         if not trivial:
             name = f"t{self.count}"
@@ -242,6 +266,96 @@ class ExprEmitter:
         if self.fills and e in self.fills:
             target.lines.append(f"{target.ind}{self.fills[e]} = {text};")
         return text
+
+    # -- branches: a where on the position loads only the side it takes ---------------
+    def _reads_memory(self, e: Expr) -> bool:
+        """Whether evaluating ``e`` loads from memory (a load not already in a register)."""
+        if isinstance(e, Load):
+            return e not in self.overrides
+        if isinstance(e, Op):
+            return any(self._reads_memory(a) for a in e.args)
+        if isinstance(e, Cast):
+            return self._reads_memory(e.x)
+        return False
+
+    def _lazy(self, e: Op) -> bool:
+        """A ``where`` is emitted as an ``if`` when its condition reads no memory (a
+        position, as a concatenation's or a padding's) and a side does: only the side
+        taken is loaded. Not in the persistent-row passes, whose register fills must run
+        for every element."""
+        if self.fills or self.value_uses:
+            return False
+        cond, a, b = e.args
+        return not self._reads_memory(cond) and (self._reads_memory(a) or self._reads_memory(b))
+
+    def _inside_branch(self, e: Expr, scope: Scope, target: Scope) -> Scope:
+        """A value that reads memory stays inside the innermost branch it is asked for in
+        (declared where its loop variables are, it would be loaded unconditionally)."""
+        inner = next((s for s in reversed(scope.chain()) if s.branch), None)
+        if inner is None or target not in inner.parent.chain() or not self._reads_memory(e):
+            return target
+        return inner
+
+    def _branches(self, e: Op, target: Scope) -> str:
+        """``if (c1) {..} else if (c2) {..} else {..}`` along a chain of lazy wheres (a
+        concatenation of many inputs is one such chain); the conditions, which read no
+        memory, are evaluated first."""
+        chain, rest = [], e
+        while isinstance(rest, Op) and rest.name == "where" and self._lazy(rest) and (
+                not chain or not any(rest in s.names for s in target.chain())):
+            chain.append((self.value(rest.args[0], target), rest.args[1]))
+            rest = rest.args[2]
+        name = f"t{self.count}"
+        self.count += 1
+        ind = target.ind
+        lines = [f"{ind}{compute_ctype(e.dtype)} {name};"]
+        for i, (cond, side) in enumerate(chain + [(None, rest)]):
+            sc = Scope(target, (), ind + "  ")
+            sc.branch = True
+            text = self.value(side, sc)
+            head = "if" if i == 0 else "} else if" if cond is not None else "} else"
+            lines.append(f"{ind}{head} ({cond}) {{" if cond is not None else f"{ind}{head} {{")
+            lines += sc.render() + [f"{ind}  {name} = {text};"]
+        target.lines += lines + [f"{ind}}}"]
+        target.names[e] = name
+        return name
+
+    def _vector_pick(self, e: Op) -> str | None:
+        """A chain of wheres over the chunk's vector loads (a concatenation along a dim
+        other than the chunk's) whose conditions read no memory and are the same for
+        every lane: the chunk loads the picked vector only, and each lane reads its
+        element (None where the chain is not of that form)."""
+        ch = self.chunk
+        if e in ch.picked:
+            return ch.picked[e]
+        conds, loads, rest = [], [], e
+        while isinstance(rest, Op) and rest.name == "where":
+            conds.append(rest.args[0])
+            loads.append(rest.args[1])
+            rest = rest.args[2]
+        loads.append(rest)
+        if not all(isinstance(ld, Load) and ld in ch.loads for ld in loads):
+            return None
+        if len({self.k.ptr[ld.buf] for ld in loads}) != 1:
+            return None
+        lane_vars = {ch.var, sympy.Symbol("v")}
+        if any(self._reads_memory(c) or self.deps(c) & lane_vars for c in conds):
+            return None
+        scope, ind, b0 = ch.scope, ch.scope.ind, sympy.Symbol(f"{ch.var}_0")
+        saved, self.overrides = self.overrides, {}
+        texts = [self.value(c, scope) for c in conds]
+        name = f"vpick{self.count}"
+        self.count += 1
+        lines = [f"{ind}sfk_vec<{self.k.ptr[loads[0].buf]}, {ch.vec}> {name};"]
+        for i, ld in enumerate(loads):
+            off = self.index(ld.offset.xreplace({ch.var: b0}), scope)
+            head = (f"if ({texts[i]})" if i == 0 else
+                    f"else if ({texts[i]})" if i < len(conds) else "else")
+            lines.append(f"{ind}{head} {name} = sfk_ldv<{ch.vec}>({ld.buf} + {off});")
+        self.overrides = saved
+        scope.lines += lines
+        ch.picked[e] = f"sfk_val({name}.v[v])"
+        return ch.picked[e]
 
     def _c(self, e: Expr, scope: Scope) -> tuple[str, bool]:
         if isinstance(e, Load):

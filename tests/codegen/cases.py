@@ -265,6 +265,11 @@ REDUCTIONS = [
        T((1, 1, 8)), T((4, 6, 8))),
     _c("cat_then_sum", lambda a, b: torch.cat([a, b.permute(1, 0)], 1).sum(-1),
        T((6, 3)), T((5, 6))),
+    # along channels, rows of a multiple of 4: a vector chunk loads the one input it is in
+    _c("cat_channels_vec", lambda a, b, c: torch.relu(torch.cat([a, b, c], 1) * 2),
+       T((2, 3, 4, 8)), T((2, 5, 4, 8)), T((2, 2, 4, 8))),
+    _c("cat_channels_then_stats", lambda a, b: torch.cat([a, b], 1).sum((0, 2, 3)),
+       T((2, 3, 8, 8)), T((2, 2, 8, 8))),
     # a size-1 dim kept by a reduction: its loop variable is 0 wherever it is read back
     _c("red_keeps_a_size_one_dim", lambda a: a.unsqueeze(2).sum(-1).squeeze(2) * 2,
        T((2, 3, 50))),

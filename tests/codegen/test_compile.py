@@ -6,7 +6,10 @@ and the units in parallel, which keeps this at a few seconds per core.
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from stitch_backend import toolchain
 from stitch_backend.codegen import generate
@@ -290,3 +293,45 @@ def test_short_window_rows_take_one_thread_each_in_an_unrolled_loop():
     for name in ("big_softmax", "red_sum_last"):
         k = generate(by_name[name].trace(), name)
         assert not k.emitted.serial and "sfk_group_reduce" in k.source, name
+
+
+def _enclosing(lines: list[str], i: int) -> str:
+    """The nearest line above ``lines[i]`` that is indented less (its block's opening)."""
+    depth = len(lines[i]) - len(lines[i].lstrip())
+    for line in reversed(lines[:i]):
+        if line.strip() and len(line) - len(line.lstrip()) < depth:
+            return line.strip()
+    return ""
+
+
+def test_a_concatenation_loads_only_the_input_each_element_comes_from():
+    """A cat is a chain of wheres on the position. Where the condition is the same for a
+    vector chunk's lanes (a cat along channels), the chunk loads the picked input's
+    vector alone (if / else if on the position); in scalar code each input is loaded
+    inside its own branch. Before, every input was loaded for every element."""
+    by_name = {c.name: c for c in CASES + BIG}
+    vec = generate(by_name["cat_channels_vec"].trace(), "cat_channels_vec").source
+    loads = [line.strip() for line in vec.splitlines() if "sfk_ldv<4>(in" in line]
+    assert len(loads) == 3, loads
+    assert loads[0].startswith("if (") and loads[1].startswith("else if (")
+    assert loads[2].startswith("else ") and all("vpick" in line for line in loads)
+    stats = generate(by_name["cat_channels_then_stats"].trace(), "cat_channels_then_stats")
+    assert stats.emitted.vec == 4 and "vpick" in stats.source
+    for name in ("cat_rows", "cat_then_sum", "pad_constant"):   # scalar loads
+        lines = generate(by_name[name].trace(), name).source.splitlines()
+        at = [i for i, line in enumerate(lines) if "sfk_val(in" in line]
+        assert at, name
+        for i in at:
+            assert re.fullmatch(r"(\} else )?(if \(.*\)|else) \{|\} else \{", _enclosing(lines, i)), (
+                name, lines[i], _enclosing(lines, i))
+
+
+def test_a_where_on_loaded_values_selects_without_branching():
+    """A condition that reads memory (ReLU's backward, a mask) would make lanes diverge on
+    data: both sides are evaluated and one selected, as before."""
+    from .cases import T, f32, _c
+
+    case = _c("where_on_data", lambda a, b, c: torch.where(a > 0, b, c) + 1,
+              T((5, 7), f32), T((5, 7), f32), T((5, 7), f32))
+    src = generate(case.trace(), case.name).source
+    assert " ? " in src and "else" not in src
