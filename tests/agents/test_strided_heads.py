@@ -201,8 +201,9 @@ def test_on_the_gpu_per_head_calls_give_atens_products_and_the_model_eagers_valu
     s = lt_heads.lt_bmm_heads(q, k.transpose(-2, -1), [0, 1, 2, 3], [12, 64, 64])
     torch.testing.assert_close(s, torch.matmul(q, k.transpose(-2, -1)).reshape(12, 64, 64),
                                rtol=1e-4, atol=1e-4)
-    y = lt_heads.lt_bmm_heads(q, v, [0, 2, 1, 3], [4 * 64, 96])
-    torch.testing.assert_close(y, torch.matmul(q, v).transpose(1, 2).reshape(4 * 64, 96),
+    att = torch.softmax(s.view(4, 3, 64, 64), dim=-1)
+    y = lt_heads.lt_bmm_heads(att, v, [0, 2, 1, 3], [4 * 64, 96])
+    torch.testing.assert_close(y, torch.matmul(att, v).transpose(1, 2).reshape(4 * 64, 96),
                                rtol=1e-4, atol=1e-4)
 
     model, x = CausalAttention(96, 3, 64).cuda(), torch.randn(4, 64, 96, device="cuda")
