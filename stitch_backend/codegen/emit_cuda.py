@@ -203,6 +203,7 @@ def transpose_axes(ir: KernelIR) -> tuple[sympy.Symbol, sympy.Symbol] | None:
     a = d.row_vars[-1]
 
     def stride(offset: sympy.Expr, var) -> int | None:
+        offset = ix.unclamped(offset)
         if any(var in f.free_symbols for f in offset.atoms(ix.FDiv, ix.IMod)):
             return None
         c = sympy.expand(sympy.diff(offset, var))

@@ -106,6 +106,8 @@ def _layout(ir: KernelIR) -> str:
                     ref = n.offset
     if ref is None:
         return "inner"
+    # a concatenation's inputs: their strides where each is read (not a window's clamps)
+    ref = ix.unclamped(ref, keep=set(d.red_vars))
     kin = sympy.expand(sympy.diff(ref, d.red_vars[-1]))
     if kin == 1:
         return "inner"

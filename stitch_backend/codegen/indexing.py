@@ -335,3 +335,20 @@ def contiguous_strides(sizes: list[sympy.Expr]) -> list[sympy.Expr]:
         out.append(acc)
         acc = acc * s
     return list(reversed(out))
+
+
+def unclamped(offset: sympy.Expr, keep=frozenset()) -> sympy.Expr:
+    """``offset`` with each clamp of one index expression into constant bounds
+    (``Min(31, Max(0, c - 32))``: a concatenation's input read at its own position)
+    replaced by that expression: where the input is read, its stride is the
+    expression's. Clamps of an expression in a variable of ``keep`` stay (a pooling
+    window's, over its reduced index, are its real access pattern)."""
+    while True:
+        clamps = {}
+        for m in offset.atoms(sympy.Min, sympy.Max):
+            free = [x for x in m.args if x.free_symbols]
+            if len(free) == 1 and not free[0].free_symbols & set(keep):
+                clamps[m] = free[0]
+        if not clamps:
+            return offset
+        offset = offset.xreplace(clamps)

@@ -154,6 +154,10 @@ POINTWISE = [
     _c("pw_tiled_from_channels_last", lambda a, b: ((a + b.view(1, 40, 1, 1)).relu().contiguous(),
                                                     (a * 2).contiguous()),
        T((2, 6, 7, 40), perm=(0, 3, 1, 2)), T((40,))),
+    # a concatenation of channels-last inputs into the NCHW output (DenseNet's last cat
+    # after channels-last convolutions): read along channels, written along the rows
+    _c("pw_tiled_cat_from_channels_last", lambda a, b: torch.cat([a, b], 1).contiguous(),
+       T((2, 6, 40, 32), perm=(0, 3, 1, 2)), T((2, 6, 40, 48), perm=(0, 3, 1, 2))),
     _c("pw_tiled_from_channels_last_f16", lambda a: (a * 3).contiguous(),
        T((2, 6, 7, 40), f16, perm=(0, 3, 1, 2)), atol=1e-2),
     _c("pw_4d_channels", lambda a, w: a * w.view(1, 6, 1, 1) + 1, X4, T((6,))),
@@ -308,6 +312,12 @@ NORMS = [
     _c("norm_batch_norm_channels_last", lambda a, w, b, m, v: torch.ops.aten._native_batch_norm_legit_functional(
         a, w, b, m, v, True, 0.1, 1e-5), T((2, 5, 7, 6), perm=(0, 3, 1, 2)), T((6,)), T((6,)), T((6,)),
         T((6,), kind="pos")),
+    # DenseNet after channels-last convolutions: the concatenation's batch norm + ReLU
+    _c("norm_cat_batch_norm_channels_last", lambda a, b, w, bias, m, v: torch.relu(
+        torch.ops.aten._native_batch_norm_legit_functional(
+            torch.cat([a, b], 1), w, bias, m, v, True, 0.1, 1e-5)[0]),
+       T((2, 5, 7, 32), perm=(0, 3, 1, 2)), T((2, 5, 7, 16), perm=(0, 3, 1, 2)), T((48,)),
+       T((48,)), T((48,)), T((48,), kind="pos")),
     _c("norm_group_norm", lambda a, w, b: F.group_norm(a, 3, w, b), X4, T((6,)), T((6,))),
     _c("norm_group_norm_outputs", lambda a, w, b: torch.ops.aten.native_group_norm(a, w, b, 2, 6, 35, 2, 1e-5),
        X4, T((6,)), T((6,))),

@@ -85,6 +85,20 @@ def test_a_channels_last_pooling_takes_its_rows_channel_fastest():
         assert k.launch_shape(64, 4)[1] == 32           # few rows: blocks stay small
 
 
+def test_channels_last_concatenations_read_along_the_channels():
+    """A concatenation reads each input at a clamped channel (``min(31, c)``), whose
+    stride is no plain number; where the input is read it is the unclamped index's. So a
+    batch norm over a cat of channels-last inputs takes the column layout (threads on
+    neighbouring channels; before: the inner layout, each thread a row, reading 48
+    floats apart), and a cat of channels-last inputs into an NCHW output goes through
+    the tiled template (the case table's ``pw_tiled_cat_from_channels_last``)."""
+    by_name = {c.name: c for c in CASES}
+    k = generate(by_name["norm_cat_batch_norm_channels_last"].trace(), "cat_bn")
+    assert k.emitted.layout == "column"
+    k = generate(by_name["pw_tiled_cat_from_channels_last"].trace(), "cat_tiled")
+    assert k.emitted.layout == "tiled"
+
+
 def test_a_channels_last_pooling_over_overlapping_windows_takes_its_rows_channel_fastest():
     """A padded, strided max pooling (ResNet's stem) reads its input through clamped
     window indices, whose strides are no plain numbers: the rows then follow the
