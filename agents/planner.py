@@ -204,8 +204,9 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
 
         if cls in _FUSIBLE and node.meta.get(LAYOUT_CONVERSION):
             # A layout conversion is a region of its own (see stitch_backend.layout),
-            # unless it ends a convolution whose epilogue is pointwise: the epilogue
-            # kernel then writes the traced layout itself through the tiled template.
+            # unless it ends a convolution whose epilogue is pointwise, or a fused region
+            # of pointwise ops: the kernel then writes the traced layout itself through
+            # the tiled template.
             if _pointwise_tail(node, current) and consumes_current(node) \
                     and max(_producers(node)) <= regions.index(current):
                 add(node, current)
@@ -433,8 +434,16 @@ def _pointwise_tail(node: torch.fx.Node, region: _Open | None) -> bool:
     of pointwise ops, views and BatchNorms (a pooling's kernel could not tile the store).
     After a BatchNorm the one-kernel template writes its result and the conversion is a
     stage of its own (as a region of its own did before); split statistics normalise in
-    a pointwise stage, which writes the traced layout through the tiled template."""
-    if region is None or region.kind is not RegionKind.CONV or not region.nodes:
+    a pointwise stage, which writes the traced layout through the tiled template.
+    Also the end of a fused region of pointwise ops and views alone (a DenseNet's last
+    concatenation, channels-last, as the graph's NCHW output): its kernel writes the
+    traced layout, instead of a second pass over the value."""
+    if region is None or not region.nodes:
+        return False
+    if region.kind is RegionKind.FUSED:
+        if not all(classify(n) in (OpClass.POINTWISE, OpClass.VIEW) for n in region.nodes):
+            return False
+    elif region.kind is not RegionKind.CONV:
         return False
     if node.kwargs.get("memory_format") is not torch.contiguous_format:
         return False

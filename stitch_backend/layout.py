@@ -253,7 +253,8 @@ class _Rewrite:
         self.conv_nodes = {n for n in convolutions(gm) if n.name not in exempt}
         self.exempt = exempt
         self.exact = exact       # NHWC with cuDNN's TF32 off (by name)
-        self.restored: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
+        # (value, memory format) -> its conversion (a restored traced layout, a cat's input)
+        self.converted: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
         self.filters: dict[tuple[torch.fx.Node, Any], torch.fx.Node] = {}
         self.conversions = 0
         self.convs = 0
@@ -272,6 +273,8 @@ class _Rewrite:
                 self.convs += 1
             elif node.name in self.exempt or self._stride_dependent(node):
                 self._restore_inputs(node)
+            elif node.target is aten.cat.default:
+                self._cat_channels_last(node)
             self._recompute(node)
         return LayoutResult(True, "", self.conversions, self.convs, filters=len(self.filters),
                             exact=len(self.exact & {n.name for n in self.conv_nodes}))
@@ -316,6 +319,33 @@ class _Rewrite:
             self.filters[(w, fmt)] = self._clone(w, conv, fmt, weight=True)
         return self.filters[(w, fmt)]
 
+    def _cat_channels_last(self, node: torch.fx.Node) -> None:
+        """A concatenation of channels-last values (convolutions' outputs) and others (a
+        DenseNet's NCHW input, in every one of its concatenations): the others converted
+        to channels-last, once each, so that the result is channels-last too. ATen makes
+        a concatenation of mixed layouts contiguous, and the next convolution would then
+        convert the whole concatenation back, once per layer. Only where the
+        channels-last inputs hold at least half of the elements."""
+        tensors = node.args[0]
+        vals = [t.meta.get("val") if isinstance(t, torch.fx.Node) else None for t in tensors]
+        if not vals or not all(isinstance(v, torch.Tensor) and v.dim() in (4, 5) for v in vals):
+            return
+        fmt = channels_last_format(vals[0])
+        nhwc = sum(v.numel() for v in vals
+                   if v.is_contiguous(memory_format=fmt) and not v.is_contiguous())
+        rest = [t for t, v in zip(tensors, vals) if not v.is_contiguous(memory_format=fmt)]
+        if not nhwc or not rest or 2 * nhwc < sum(v.numel() for v in vals):
+            return
+        new = [self._converted(t, node, fmt) if t in rest else t for t in tensors]
+        node.args = (new,) + tuple(node.args[1:])
+
+    def _converted(self, arg: torch.fx.Node, before: torch.fx.Node, fmt) -> torch.fx.Node:
+        """``arg`` in ``fmt``: one conversion, made before its first user here and shared
+        by the later ones (the pass walks the graph in order)."""
+        if (arg, fmt) not in self.converted:
+            self.converted[(arg, fmt)] = self._clone(arg, before, fmt)
+        return self.converted[(arg, fmt)]
+
     def _restore_inputs(self, node: torch.fx.Node) -> None:
         restore = self._restore_before(node)
         node.args = torch.fx.node.map_arg(node.args, restore)
@@ -336,9 +366,7 @@ class _Rewrite:
             else:
                 raise _Abort(f"{arg.name} was traced with strides {traced.stride()} that a "
                              f"layout conversion cannot restore for {user.name}")
-            if (arg, fmt) not in self.restored:
-                self.restored[(arg, fmt)] = self._clone(arg, user, fmt)
-            return self.restored[(arg, fmt)]
+            return self._converted(arg, user, fmt)
         return restore
 
     def _clone(self, arg: torch.fx.Node, before: torch.fx.Node, fmt,

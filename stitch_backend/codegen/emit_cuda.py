@@ -193,9 +193,9 @@ TILE_ROWS = 8      # the block is TILE x TILE_ROWS threads: each moves TILE / TI
 
 def transpose_axes(ir: KernelIR) -> tuple[sympy.Symbol, sympy.Symbol] | None:
     """(store axis, load axis) when ``ir`` is a pointwise region whose stores are all
-    contiguous along its innermost index and whose loads are contiguous along another
-    and none along the innermost (a layout conversion): read coalesced, write coalesced
-    through a shared-memory tile. None where the plain template is as good."""
+    contiguous along its innermost index and whose loads are contiguous along another,
+    more of them than along the innermost (a layout conversion): read coalesced, write
+    coalesced through a shared-memory tile. None where the plain template is as good."""
     d = ir.domain
     if ir.symbols or ir.data_vars or len(d.row_vars) < 2:
         return None
@@ -212,9 +212,9 @@ def transpose_axes(ir: KernelIR) -> tuple[sympy.Symbol, sympy.Symbol] | None:
     if not ir.stores or any(st.guards or stride(st.offset, a) != 1 for st in ir.stores):
         return None
     loads = [n for n in dict.fromkeys(ir.all_exprs()) if isinstance(n, Load)]
-    if not loads or any(stride(ld.offset, a) not in (0,) and abs(stride(ld.offset, a) or 1) <= 1
-                        for ld in loads):
-        return None                  # a load is contiguous (or unknown) along the stores'
+    # loads contiguous (or unknown) along the stores' axis; broadcast ones (0) are neither
+    along_a = sum(1 for ld in loads
+                  if stride(ld.offset, a) != 0 and abs(stride(ld.offset, a) or 1) <= 1)
     votes: dict = {}
     for ld in loads:
         for b in d.row_vars[:-1]:
@@ -223,7 +223,10 @@ def transpose_axes(ir: KernelIR) -> tuple[sympy.Symbol, sympy.Symbol] | None:
     if not votes:
         return None
     b = max(votes, key=lambda v: votes[v])
-    if int(ext[a]) < TILE or int(ext[b]) < TILE:
+    # tiled where most loads run along another axis than the stores (a concatenation of
+    # channels-last convolutions' outputs and the NCHW input, DenseNet's: the input's
+    # reads stay uncoalesced, the rest become so)
+    if votes[b] <= along_a or int(ext[a]) < TILE or int(ext[b]) < TILE:
         return None
     return a, b
 

@@ -95,25 +95,26 @@ def _smem_width(ir: KernelIR) -> int:
 
 
 def _layout(ir: KernelIR) -> str:
+    """``column`` where more of the reductions' widest loads (those indexed by the most
+    variables: not a per-channel weight) run along the rows' innermost index than along
+    the reduced one, else ``inner``. Strides are taken where each load is read, without a
+    concatenation's clamps (a cat of an NCHW input and channels-last convolutions'
+    outputs, DenseNet's, votes by its inputs), keeping a pooling window's."""
     d = ir.domain
     if not d.red_vars:
         return "inner"
-    ref = None
-    for r in ir.inner_reductions:
-        for n in walk([r.body]):
-            if isinstance(n, Load):
-                if ref is None or len(n.offset.free_symbols) > len(ref.free_symbols):
-                    ref = n.offset
-    if ref is None:
+    loads = [n for r in ir.inner_reductions for n in walk([r.body]) if isinstance(n, Load)]
+    if not loads:
         return "inner"
-    # a concatenation's inputs: their strides where each is read (not a window's clamps)
-    ref = ix.unclamped(ref, keep=set(d.red_vars))
-    kin = sympy.expand(sympy.diff(ref, d.red_vars[-1]))
-    if kin == 1:
-        return "inner"
-    if d.row_vars and sympy.expand(sympy.diff(ref, d.row_vars[-1])) == 1:
-        return "column"
-    return "inner"
+    widest = max(len(ld.offset.free_symbols) for ld in loads)
+    inner = column = 0
+    for ld in dict.fromkeys(ld for ld in loads if len(ld.offset.free_symbols) == widest):
+        ref = ix.unclamped(ld.offset, keep=set(d.red_vars))
+        if sympy.expand(sympy.diff(ref, d.red_vars[-1])) == 1:
+            inner += 1
+        elif d.row_vars and sympy.expand(sympy.diff(ref, d.row_vars[-1])) == 1:
+            column += 1
+    return "column" if column > inner else "inner"
 
 
 def stores_across_rows(ir: KernelIR) -> bool:

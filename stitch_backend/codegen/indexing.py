@@ -341,13 +341,16 @@ def unclamped(offset: sympy.Expr, keep=frozenset()) -> sympy.Expr:
     """``offset`` with each clamp of one index expression into constant bounds
     (``Min(31, Max(0, c - 32))``: a concatenation's input read at its own position)
     replaced by that expression: where the input is read, its stride is the
-    expression's. Clamps of an expression in a variable of ``keep`` stay (a pooling
-    window's, over its reduced index, are its real access pattern)."""
+    expression's. Clamps of an expression that mixes a variable of ``keep`` with others
+    stay (a pooling window's position, output index times stride plus the window's
+    reduced index: its clamps are its real access pattern)."""
+    keep = set(keep)
     while True:
         clamps = {}
         for m in offset.atoms(sympy.Min, sympy.Max):
             free = [x for x in m.args if x.free_symbols]
-            if len(free) == 1 and not free[0].free_symbols & set(keep):
+            syms = free[0].free_symbols if len(free) == 1 else set()
+            if len(free) == 1 and not (syms & keep and syms - keep):
                 clamps[m] = free[0]
         if not clamps:
             return offset

@@ -158,6 +158,9 @@ POINTWISE = [
     # after channels-last convolutions): read along channels, written along the rows
     _c("pw_tiled_cat_from_channels_last", lambda a, b: torch.cat([a, b], 1).contiguous(),
        T((2, 6, 40, 32), perm=(0, 3, 1, 2)), T((2, 6, 40, 48), perm=(0, 3, 1, 2))),
+    # ... and with an NCHW input among them (DenseNet's block input): tiled by the majority
+    _c("pw_tiled_cat_mixed_layouts", lambda x, a, b: torch.cat([x, a, b], 1).contiguous(),
+       T((2, 32, 6, 40)), T((2, 6, 40, 32), perm=(0, 3, 1, 2)), T((2, 6, 40, 32), perm=(0, 3, 1, 2))),
     _c("pw_tiled_from_channels_last_f16", lambda a: (a * 3).contiguous(),
        T((2, 6, 7, 40), f16, perm=(0, 3, 1, 2)), atol=1e-2),
     _c("pw_4d_channels", lambda a, w: a * w.view(1, 6, 1, 1) + 1, X4, T((6,))),
@@ -318,6 +321,11 @@ NORMS = [
             torch.cat([a, b], 1), w, bias, m, v, True, 0.1, 1e-5)[0]),
        T((2, 5, 7, 32), perm=(0, 3, 1, 2)), T((2, 5, 7, 16), perm=(0, 3, 1, 2)), T((48,)),
        T((48,)), T((48,)), T((48,), kind="pos")),
+    _c("norm_cat_batch_norm_mixed_layouts", lambda x, a, b, w, bias, m, v: torch.relu(
+        torch.ops.aten._native_batch_norm_legit_functional(
+            torch.cat([x, a, b], 1), w, bias, m, v, True, 0.1, 1e-5)[0]),
+       T((2, 16, 5, 8)), T((2, 5, 8, 16), perm=(0, 3, 1, 2)), T((2, 5, 8, 16), perm=(0, 3, 1, 2)),
+       T((48,)), T((48,)), T((48,)), T((48,), kind="pos")),
     _c("norm_group_norm", lambda a, w, b: F.group_norm(a, 3, w, b), X4, T((6,)), T((6,))),
     _c("norm_group_norm_outputs", lambda a, w, b: torch.ops.aten.native_group_norm(a, w, b, 2, 6, 35, 2, 1e-5),
        X4, T((6,)), T((6,))),

@@ -91,10 +91,13 @@ def test_channels_last_concatenations_read_along_the_channels():
     batch norm over a cat of channels-last inputs takes the column layout (threads on
     neighbouring channels; before: the inner layout, each thread a row, reading 48
     floats apart), and a cat of channels-last inputs into an NCHW output goes through
-    the tiled template (the case table's ``pw_tiled_cat_from_channels_last``)."""
+    the tiled template (the case table's ``pw_tiled_cat_from_channels_last``). With an
+    NCHW input among channels-last ones (DenseNet's block input), most inputs decide
+    (``..._mixed_layouts``; before, the NCHW input alone did)."""
     by_name = {c.name: c for c in CASES}
-    k = generate(by_name["norm_cat_batch_norm_channels_last"].trace(), "cat_bn")
-    assert k.emitted.layout == "column"
+    for name in ("norm_cat_batch_norm_channels_last", "norm_cat_batch_norm_mixed_layouts"):
+        k = generate(by_name[name].trace(), name)
+        assert k.emitted.layout == "column", name
     k = generate(by_name["pw_tiled_cat_from_channels_last"].trace(), "cat_tiled")
     assert k.emitted.layout == "tiled"
 
