@@ -406,9 +406,10 @@ def _zoo_example(example):
 @pytest.mark.gpu
 @pytest.mark.parametrize("make", [_zoo_example(residual_block), _zoo_example(depthwise_separable),
                                   _upsample_example, lambda: (Volume(), torch.randn(4, 3, 16, 16, 16)),
-                                  lambda: (Grouped(), torch.randn(4, 3, 16, 16))],
+                                  lambda: (Grouped(), torch.randn(4, 3, 16, 16)),
+                                  lambda: (DenseBlock(16, 32, 4), torch.randn(4, 16, 20, 20))],
                          ids=["residual_block", "depthwise_separable", "transposed", "3d",
-                              "group_norm"])
+                              "group_norm", "dense_block"])
 def test_channels_last_on_cuda_is_correct_by_the_design_rule(make):
     """Training-mode BatchNorm under no_grad, as KernelBench runs it: channels-last convs
     (other cuDNN kernels than eager's NCHW ones), replay, the guard; DESIGN.md's rule."""
