@@ -1,5 +1,6 @@
 """Concatenation is fused like any pointwise op (it was a fallback region of its own):
-a ViT-style class token, and a DenseNet-style concatenation feeding a BatchNorm."""
+a ViT-style class token, and a DenseNet-style concatenation feeding a BatchNorm; with
+channels-last convolutions, a DenseNet block's concatenations stay channels-last."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import copy
 import torch
 import torch.nn as nn
 
+from stitch_backend import layout
 from stitch_backend.backend import StitchBackend
+from tests.backend.test_layout import _check
+
+aten = torch.ops.aten
 
 
 class ClassToken(nn.Module):
@@ -59,3 +64,42 @@ def test_a_concatenation_feeding_a_batchnorm_runs_generated():
     rec, region = _run(DenseConcat().train(), torch.randn(2, 4, 6, 6))
     assert region.backend == "kernel", region.reason
     assert not [r for r in rec.plan.regions if r.kind.value == "fallback"]
+
+
+class DenseBlock(nn.Module):
+    """DenseNet's block: each layer (BatchNorm, ReLU, convolution) reads the concatenation
+    of the block's input and every earlier layer's output."""
+
+    def __init__(self, channels=8, growth=8, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.BatchNorm2d(channels + i * growth), nn.ReLU(),
+                          nn.Conv2d(channels + i * growth, growth, 3, padding=1))
+            for i in range(layers))
+
+    def forward(self, x):
+        features = [x]
+        for layer in self.layers:
+            features.append(layer(torch.cat(features, 1)))
+        return torch.cat(features, 1)
+
+
+def test_a_dense_blocks_concatenations_run_channels_last():
+    """The block's NCHW input is concatenated with channels-last convolution outputs:
+    converted once, it keeps every concatenation channels-last, so no layer converts
+    its whole concatenation for its convolution (before: one conversion a layer after
+    the first). Conversions: the input before the first convolution, the input for
+    the concatenations, the output back to NCHW, whatever the number of layers; the last
+    one ends the last concatenation's region (one tiled kernel writes the output)."""
+    for layers in (3, 5):
+        backend = _check(lambda: DenseBlock(layers=layers), torch.randn(2, 8, 6, 6))
+        (rec,) = backend.records
+        nodes = {n.name: n for n in rec.gm.graph.nodes}
+        conversions = [n for n in nodes.values()
+                       if layout.CONVERSION in n.meta and layout.FILTER not in n.meta]
+        assert len(conversions) == 3, [n.format_node() for n in conversions]
+        cats = [n for n in nodes.values() if n.target is aten.cat.default and len(n.args[0]) > 1]
+        assert len(cats) == layers and all(n.meta["val"].is_contiguous(memory_format=torch.channels_last) for n in cats)
+        back = conversions[-1]
+        (region,) = [r for r in rec.plan.regions if back.name in r.nodes]
+        assert [nodes[n].target for n in region.nodes] == [aten.cat.default, aten.clone.default]

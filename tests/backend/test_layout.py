@@ -179,45 +179,6 @@ def test_the_output_conversion_ends_a_pointwise_epilogue_through_the_tiled_templ
     assert kernel.emitted.layout == "tiled", kernel.source
 
 
-class DenseBlock(nn.Module):
-    """DenseNet's block: each layer (BatchNorm, ReLU, convolution) reads the concatenation
-    of the block's input and every earlier layer's output."""
-
-    def __init__(self, channels=8, growth=8, layers=3):
-        super().__init__()
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.BatchNorm2d(channels + i * growth), nn.ReLU(),
-                          nn.Conv2d(channels + i * growth, growth, 3, padding=1))
-            for i in range(layers))
-
-    def forward(self, x):
-        features = [x]
-        for layer in self.layers:
-            features.append(layer(torch.cat(features, 1)))
-        return torch.cat(features, 1)
-
-
-def test_a_dense_blocks_concatenations_run_channels_last():
-    """The block's NCHW input is concatenated with channels-last convolution outputs:
-    converted once, it keeps every concatenation channels-last, so no layer converts
-    its whole concatenation for its convolution (before: one conversion a layer after
-    the first). Conversions: the input before the first convolution, the input for
-    the concatenations, the output back to NCHW, whatever the number of layers; the last
-    one ends the last concatenation's region (one tiled kernel writes the output)."""
-    for layers in (3, 5):
-        backend = _check(lambda: DenseBlock(layers=layers), torch.randn(2, 8, 6, 6))
-        (rec,) = backend.records
-        nodes = {n.name: n for n in rec.gm.graph.nodes}
-        conversions = [n for n in nodes.values()
-                       if layout.CONVERSION in n.meta and layout.FILTER not in n.meta]
-        assert len(conversions) == 3, [n.format_node() for n in conversions]
-        cats = [n for n in nodes.values() if n.target is aten.cat.default and len(n.args[0]) > 1]
-        assert len(cats) == layers and all(n.meta["val"].is_contiguous(memory_format=torch.channels_last) for n in cats)
-        back = conversions[-1]
-        (region,) = [r for r in rec.plan.regions if back.name in r.nodes]
-        assert [nodes[n].target for n in region.nodes] == [aten.cat.default, aten.clone.default]
-
-
 class Transposed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -399,6 +360,12 @@ def _upsample_example():
     return Upsample(), torch.randn(8, 4, 32, 32)
 
 
+def _dense_block_example():
+    from tests.backend.test_cat import DenseBlock   # (test_cat imports this module)
+
+    return DenseBlock(16, 32, 4), torch.randn(4, 16, 20, 20)
+
+
 def _zoo_example(example):
     return lambda: (example.Model(*example.get_init_inputs()), example.get_inputs()[0])
 
@@ -407,7 +374,7 @@ def _zoo_example(example):
 @pytest.mark.parametrize("make", [_zoo_example(residual_block), _zoo_example(depthwise_separable),
                                   _upsample_example, lambda: (Volume(), torch.randn(4, 3, 16, 16, 16)),
                                   lambda: (Grouped(), torch.randn(4, 3, 16, 16)),
-                                  lambda: (DenseBlock(16, 32, 4), torch.randn(4, 16, 20, 20))],
+                                  _dense_block_example],
                          ids=["residual_block", "depthwise_separable", "transposed", "3d",
                               "group_norm", "dense_block"])
 def test_channels_last_on_cuda_is_correct_by_the_design_rule(make):
