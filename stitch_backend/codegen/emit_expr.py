@@ -62,7 +62,8 @@ class Scope:
         self.lines: list[str] = []
         self.names: dict = {}
         self.vector = False
-        self.branch = False   # one side of an ``if`` (``ExprEmitter._branches``)
+        # the innermost side of an ``if`` this scope is in (``ExprEmitter._branches``)
+        self.branch: Scope | None = parent.branch if parent is not None else None
 
     def chain(self) -> list["Scope"]:
         out, s = [], self
@@ -291,7 +292,7 @@ class ExprEmitter:
     def _inside_branch(self, e: Expr, scope: Scope, target: Scope) -> Scope:
         """A value that reads memory stays inside the innermost branch it is asked for in
         (declared where its loop variables are, it would be loaded unconditionally)."""
-        inner = next((s for s in reversed(scope.chain()) if s.branch), None)
+        inner = scope.branch
         if inner is None or target not in inner.parent.chain() or not self._reads_memory(e):
             return target
         return inner
@@ -311,7 +312,7 @@ class ExprEmitter:
         lines = [f"{ind}{compute_ctype(e.dtype)} {name};"]
         for i, (cond, side) in enumerate(chain + [(None, rest)]):
             sc = Scope(target, (), ind + "  ")
-            sc.branch = True
+            sc.branch = sc
             text = self.value(side, sc)
             head = "if" if i == 0 else "} else if" if cond is not None else "} else"
             lines.append(f"{ind}{head} ({cond}) {{" if cond is not None else f"{ind}{head} {{")
