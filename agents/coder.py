@@ -50,8 +50,11 @@ class TemplateCoder:
     library_on_cpu = False
 
     def __init__(self, sm_count: int = 132, split_stats: bool = True,
-                 library_on_cpu: bool | None = None):
+                 library_on_cpu: bool | None = None, clusters: bool = False):
         self.sm_count = sm_count
+        # The target has thread-block clusters (sm_90 and later): long rows also get the
+        # cluster layout (``launch_alternatives.cluster_rows``), raced by the Verifier.
+        self.clusters = clusters
         if library_on_cpu is not None:
             self.library_on_cpu = library_on_cpu
         # Also propose the split-statistics alternative for training BatchNorm over few
@@ -98,6 +101,7 @@ class TemplateCoder:
         cand.alternatives += launch_alternatives.row_write_layouts(self, subtask, stages)
         cand.alternatives += launch_alternatives.narrow_columns(self, subtask, stages)
         cand.alternatives += launch_alternatives.single_pass_stats(self, subtask, stages)
+        cand.alternatives += launch_alternatives.cluster_rows(self, subtask, stages)
         cand.alternatives += self._stats_splits(subtask, lead, part)
         if library is not None:
             cand.alternatives.append(library)

@@ -1,8 +1,8 @@
 """Alternatives of a Coder candidate that differ from it only in how a reduction kernel
 is laid out, launched or summed (the Verifier races each against the candidate and keeps
 the fastest): the column and staged layouts of a reduction that writes across its rows,
-the narrow launch of a column reduction over few rows, and variances over long rows in
-one pass. ``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
+the narrow launch of a column reduction over few rows, variances over long rows in
+one pass, and long rows shared by the blocks of a cluster. ``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
 
@@ -83,6 +83,37 @@ def single_pass_stats(coder: Any, subtask: Subtask, stages: list[Stage]) -> list
     return [] if cand is None else [cand]
 
 
+# Rows of at least this many elements get the cluster alternative (reasoned from the
+# L2's size, not measured: a block a row keeps about two rows an SM in flight, 17 MB of
+# such rows on 132 SMs; shorter rows stay in L2 between the passes anyway).
+CLUSTER_MIN_LEN = 16384
+
+
+def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    """The candidate again with each inner-layout reduction over long static rows
+    (``CLUSTER_MIN_LEN``) that reads its rows more than once (several phases, or element
+    stores after them: a softmax, a norm) in the ``cluster`` layout
+    (``emit_reduction.CLUSTER``: a thread-block cluster a row, so that the later passes
+    find the row in L2); none where the Coder's target has no clusters (before sm_90) or
+    no kernel is such."""
+    if not getattr(coder, "clusters", False):
+        return []
+    from stitch_backend.codegen.emit_reduction import why_not_cluster
+
+    def long_rows(kernel: Any) -> bool:
+        ir, em = getattr(kernel, "ir", None), getattr(kernel, "emitted", None)
+        if ir is None or em is None or em.layout != "inner" or em.serial:
+            return False
+        n = sympy.Mul(*ir.domain.red_extents)
+        passes = len({r.phase for r in ir.inner_reductions}) + any(
+            s.level == "element" for s in ir.stores)
+        return (bool(n.is_Integer) and int(n) >= CLUSTER_MIN_LEN and passes > 1
+                and why_not_cluster(ir) is None)
+
+    cand = _swapped(coder, subtask, stages, long_rows, "cl", layout="cluster")
+    return [] if cand is None else [cand]
+
+
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
              suffix: str, differs: Callable[[Any, Any], bool] | None = None,
              **how: Any) -> Candidate | None:
@@ -111,4 +142,4 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                             list(subtask.region.outputs))
 
 
-__all__ = ["narrow_columns", "row_write_layouts", "single_pass_stats"]
+__all__ = ["cluster_rows", "narrow_columns", "row_write_layouts", "single_pass_stats"]

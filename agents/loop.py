@@ -46,12 +46,14 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     """Propose and compile a candidate for every region the templates cover
     (``compile=False``: propose only, for the CPU interpreter); ``config`` (default: the
     process settings) says whether the split-statistics variants are proposed."""
-    from stitch_backend.toolchain import CompileError, CompileJob, compile_many, csrc_dir
+    from stitch_backend.toolchain import (CompileError, CompileJob, compile_many, csrc_dir,
+                                          has_clusters)
 
     from stitch_backend import config as config_mod
 
     cfg = config if config is not None else config_mod.current()
-    coder = TemplateCoder(sm_count=sm_count, split_stats=cfg.split_stats)
+    coder = TemplateCoder(sm_count=sm_count, split_stats=cfg.split_stats,
+                          clusters=has_clusters(arch))
     trajectory = Trajectory(task=task)
     proposals: list[Candidate] = []
     subtasks: dict[int, Subtask] = {}

@@ -249,6 +249,57 @@ __device__ __forceinline__ T sfk_group_reduce(T v, Op op, int log2_tk, bool inne
   return acc;
 }
 
+// ----------------------------------------------------------------------------- clusters
+// The ``cluster`` reduction layout (sm_90): the SFK_CLUSTER blocks of a thread-block
+// cluster share each row, a slice each, and combine their parts through distributed
+// shared memory. Raw PTX, so the generated code needs no cooperative_groups header.
+
+// This block's rank in its (1-D) cluster.
+__device__ __forceinline__ unsigned sfk_cluster_rank() {
+  unsigned r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+
+// Every thread of every block of the cluster arrives before any goes on; shared-memory
+// writes before it are visible to the cluster's blocks after it.
+__device__ __forceinline__ void sfk_cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+               "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();   // the Coder proposes the cluster layout for sm_90 and later only
+#endif
+}
+
+// `slot` (this block's shared memory) in block `rank` of the cluster, as a generic address.
+template <typename T> __device__ __forceinline__ const T* sfk_cluster_map(const T* slot, unsigned rank) {
+  unsigned long long out = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(slot), "r"(rank));
+#endif
+  return reinterpret_cast<const T*>(out);
+}
+
+// sfk_cluster_reduce: `v` (the same in every thread of the block, as sfk_group_reduce
+// leaves it) combined over the cluster's N blocks in rank order, so every block and every
+// thread gets bit-identical results. `slots` holds 2 values of T in shared memory, taken
+// in turn by `parity` (flipped by the caller once per call site and row): a slot is
+// written again only after the next call's cluster barrier, which every block reaches
+// only after it has read the slot. The caller ends the kernel with sfk_cluster_sync(),
+// so that no block exits while another may still read its slots.
+template <int N, typename T, typename Op>
+__device__ __forceinline__ T sfk_cluster_reduce(T v, Op op, T* slots, int parity) {
+  if (threadIdx.x == 0) slots[parity] = v;
+  sfk_cluster_sync();
+  T acc = *sfk_cluster_map(slots + parity, 0u);
+#pragma unroll
+  for (int j = 1; j < N; ++j) acc = op(acc, *sfk_cluster_map(slots + parity, (unsigned)j));
+  return acc;
+}
+
 // ----------------------------------------------------------------------------- vector access
 
 // sfk_vec<T, N>: N elements moved by one aligned access of N * sizeof(T) (<= 16) bytes.

@@ -205,6 +205,13 @@ def _parse_arch(arch: str) -> tuple[str, str]:
     return m.group(1), m.group(2)
 
 
+def has_clusters(arch: str) -> bool:
+    """Whether ``arch`` ("sm_90a", "sm_80", ...) has thread-block clusters (sm_90 on);
+    False for what is not a CUDA arch (the backend's "cpu" for interpreted graphs)."""
+    m = _ARCH_RE.match(arch)
+    return m is not None and int(m.group(1)) >= 90
+
+
 def arch_flag(arch: str) -> str:
     """The nvcc flag selecting ``arch``: "sm_90a" -> "-gencode=arch=compute_90a,code=sm_90a".
 

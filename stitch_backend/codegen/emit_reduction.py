@@ -2,8 +2,9 @@
 
 ``inner`` layout when the reduced index is contiguous in memory (threads of a group are
 consecutive lanes: shuffles), ``column`` layout when a row index is (consecutive threads
-take consecutive rows: coalesced). Each phase of reductions is one pass over the row, in
-chunks of VEC elements along the innermost reduced index (16-byte loads where aligned);
+take consecutive rows: coalesced); ``cluster`` (an alternative the Coder proposes for long
+rows): the inner layout with each row shared by the blocks of a cluster (CLUSTER below).
+Each phase of reductions is one pass over the row, in chunks of VEC elements along the innermost reduced index (16-byte loads where aligned);
 results are combined by ``sfk_group_reduce`` (fixed trees, no atomics); short rows of a
 constant length (SERIAL_MAX_K) take one thread each, in a fully unrolled loop. Reductions
 across rows (``outer``) write one value per row to a workspace that the last block to
@@ -148,12 +149,33 @@ def stores_across_rows(ir: KernelIR) -> bool:
 # H200 against ATen's 10.84 (which also writes int64 indices).
 SERIAL_MAX_K = 32
 
+# The ``cluster`` layout (sm_90 and later): the CLUSTER blocks of a thread-block cluster
+# share each row, a contiguous share each, and combine their parts in rank order through
+# distributed shared memory (``sfk_cluster_reduce``: deterministic, no atomics). Fewer
+# rows are then in flight at once, so a row that the passes after the first read again
+# is still in L2 when they do: the ``inner`` layout's block a row keeps about 2 rows an SM
+# in flight, 400 MB for the 1.5 MB rows of a softmax over 393216 elements, which a later
+# pass then reads from DRAM again. The Coder proposes it for long rows beside the
+# template (``launch_alternatives.cluster_rows``); the Verifier keeps the faster.
+CLUSTER = 8
+
+
+def why_not_cluster(ir: KernelIR) -> str | None:
+    """Why ``ir`` cannot take the ``cluster`` layout; None where it can."""
+    if not ir.domain.red_vars:
+        return "no reduced index"
+    if ir.outer_reductions:
+        return "a reduction across rows (its last-block stage is per block)"
+    if _layout(ir) != "inner":
+        return "its rows are not read along the reduced index"
+    return None
+
 
 def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
-    """The reduction kernel of ``ir``, in ``layout`` ("inner", "column" or "staged"
-    (``emit_staged``); by default the one its loads favour). ``cache_values``: persistent
+    """The reduction kernel of ``ir``, in ``layout`` ("inner", "column", "cluster" or
+    "staged" (``emit_staged``); by default the one its loads favour). ``cache_values``: persistent
     rows keep computed values between passes, not loads (``persist.value_passes``)."""
-    if layout not in (None, "inner", "column", "staged"):
+    if layout not in (None, "inner", "column", "staged", "cluster"):
         raise ValueError(f"unknown reduction layout {layout!r}")
     if layout == "staged":
         from .emit_staged import emit_staged   # it builds on this module's helpers
@@ -162,6 +184,10 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     k = _Kernel(ir)
     d = ir.domain
     layout = layout or _layout(ir)
+    cluster = layout == "cluster"
+    if cluster and (why := why_not_cluster(ir)) is not None:
+        raise Unsupported(why)
+    rowwise = layout in ("inner", "cluster")   # a row's threads are consecutive lanes
     outer = ir.outer_reductions
     for r in outer:
         if r.kind in ("argmax", "argmin", "softmax"):
@@ -174,7 +200,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     # Vector chunks run along the innermost reduced index; with several reduced indices
     # (BatchNorm's N and H*W) a chunk stays inside one run of it when its extent is a
     # multiple of the vector width, which eligible_vector_access checks.
-    vector_red = bool(d.red_vars) and layout == "inner"
+    vector_red = bool(d.red_vars) and rowwise
     elem_loads = [n for n in ir.all_exprs() if isinstance(n, Load)]
     elem_stores = [s for s in ir.stores if s.level == "element"]
     if vector_red:
@@ -183,7 +209,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     else:
         vec, vloads, vstores, conds = 1, {}, {}, []
     L = k.lines
-    L += k.header(f"row reduction, {layout} layout, chunks of {vec}"
+    L += k.header(f"row reduction, {layout} layout"
+                  + (f" ({CLUSTER} blocks a row)" if cluster else "") + f", chunks of {vec}"
                   + (", vector path" if vloads or vstores else "")
                   + (", cross-row reduction in the last block" if outer else ""))
     em = ExprEmitter(k, ir)
@@ -199,7 +226,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         persist = None
     max_threads = PERSIST_THREADS if persist else 1024
     serial = _serial_k(d, layout, vloads, vstores, persist)
-    L.append(f'extern "C" __global__ void __launch_bounds__({max_threads}) {ir.name}(')
+    dims = f"__cluster_dims__({CLUSTER}, 1, 1) " if cluster else ""
+    L.append(f'extern "C" __global__ void {dims}__launch_bounds__({max_threads}) {ir.name}(')
     L.append("    " + ",\n    ".join(params) + ") {")
     # sfk_group_reduce stages one accumulator per warp in the inner layout (the last
     # block's cross-row stage is inner too) and one per thread (up to 1024) in the column
@@ -207,8 +235,10 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     # static shared memory cost fp32 reductions blocks per SM). A static array counts
     # against every resident block: 4 KB for each of 16 blocks of 128 threads takes 64 KB
     # of the SM's L1, where the passes after the first re-read their row.
-    staged_values = 32 if layout == "inner" else 1024
+    staged_values = 32 if rowwise else 1024
     L.append(f"  __shared__ __align__(16) unsigned char sfk_smem[{staged_values * _smem_width(ir)}];")
+    if cluster:     # each reduction's part of this block, for the cluster's other blocks
+        L += [f"  __shared__ {_acc_ctype(r)} sfk_cs{r.rid}[2];" for r in ir.inner_reductions]
     L += k.symbol_prologue("  ")
     IDX = k.IDX
     rows = " * ".join(f"({k.c_size(e)})" for e in d.row_extents) or "1"
@@ -219,7 +249,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         # one thread a row whatever the launch (log2_tk unused): correct for any grid
         L.append("  const int TK = 1, RB = blockDim.x;  // one thread a row (short rows)")
         L.append("  const int tk = 0, tr = threadIdx.x;")
-    elif layout == "inner":
+    elif rowwise:
         L.append("  const int TK = 1 << log2_tk, RB = blockDim.x >> log2_tk;")
         L.append("  const int tk = threadIdx.x & (TK - 1), tr = threadIdx.x >> log2_tk;")
     else:
@@ -228,7 +258,14 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     has_vec = bool(vloads or vstores)
     if has_vec:
         L.append(f"  const bool vec_ok = {' && '.join(conds) or 'true'};")
-    L.append(f"  for ({IDX} row0 = ({IDX})blockIdx.x * RB; row0 < rows; row0 += ({IDX})gridDim.x * RB) {{")
+    if cluster:   # a cluster's blocks take the same rows (their ids differ in the rank only)
+        L.append("  const unsigned sfk_rank = sfk_cluster_rank();")
+        L.append("  int sfk_par = 0;  // which of the two cluster slots this row takes")
+        L.append(f"  for ({IDX} row0 = ({IDX})(blockIdx.x / {CLUSTER}) * RB; row0 < rows; "
+                 f"row0 += ({IDX})(gridDim.x / {CLUSTER}) * RB) {{")
+    else:
+        L.append(f"  for ({IDX} row0 = ({IDX})blockIdx.x * RB; row0 < rows; "
+                 f"row0 += ({IDX})gridDim.x * RB) {{")
     L.append("    const bool row_ok = row0 + tr < rows;")
     L.append(f"    const {IDX} r = row_ok ? row0 + tr : rows - 1;  // spare threads redo the last row")
     row = Scope(None, set(d.row_vars), "    ")
@@ -241,7 +278,13 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     if has_vec:
         extra = f" && (Kr % {vec} == 0)" if d.red_limit is not None else ""
         row.pre.append(f"    const bool vec_row = vec_ok{extra};")
-    inner_flag = "true" if layout == "inner" else "false"
+    span = ("", "Kr")
+    if cluster:   # this block's share of the row: whole vector chunks, in rank order
+        row.pre += [f"    const {IDX} sfk_share = ((Kr + {CLUSTER * vec - 1}) / {CLUSTER * vec}) * {vec};",
+                    f"    const {IDX} kb = ({IDX})sfk_rank * sfk_share;",
+                    f"    const {IDX} ke = Kr - kb < sfk_share ? Kr : kb + sfk_share;"]
+        span = ("kb + ", "ke")
+    inner_flag = "true" if rowwise else "false"
     if persist:
         row.pre.append(f"    const bool persist_row = vec_row && Kr <= ({IDX})TK * "
                        f"{vec * PERSIST_CHUNKS};")
@@ -262,25 +305,33 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
             for r in reds:
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
-                 next(passes, None), serial, next(value_plan, None))
+                 next(passes, None), serial, next(value_plan, None), span)
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
                     f"    acc{r.rid} = sfk_group_reduce(acc{r.rid}, "
                     f"{_op_functor(r, compute_ctype(r.dtype))}, log2_tk, {inner_flag}, "
                     f"reinterpret_cast<{_acc_ctype(r)}*>(sfk_smem));")
+            if cluster:
+                row.lines.append(
+                    f"    acc{r.rid} = sfk_cluster_reduce<{CLUSTER}>(acc{r.rid}, "
+                    f"{_op_functor(r, compute_ctype(r.dtype))}, sfk_cs{r.rid}, sfk_par);")
             em.reduced(r, row, f"acc{r.rid}")
-    row_stores(k, em, row, ir, "row_ok && tk == 0")
+    row_stores(k, em, row, ir, "row_ok && tk == 0" + (" && sfk_rank == 0" if cluster else ""))
     if elem_stores:
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, vstores if has_vec else {}, conds,
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
-                 next(passes, None), serial, next(value_plan, None))
+                 next(passes, None), serial, next(value_plan, None), span)
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
+    if cluster:
+        row.lines.append("    sfk_par ^= 1;")
     L += row.render()
     L.append("  }")
+    if cluster:   # no block leaves while another may still read its slots
+        L.append("  sfk_cluster_sync();")
     if outer:
         L += _outer_stage(k, ir, em)
     L.append("}")
@@ -300,13 +351,15 @@ def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
 
 
 def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None,
-             serial=None, values=None):
+             serial=None, values=None, span=("", "Kr")):
     """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
     with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
     variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
     arrays of cached loads are indexed by constants; ``values`` (this pass's entry of
     ``persist.value_passes``): the computed values it reads from, and keeps in, the
     register arrays ``cvN[j * VEC + v]`` there.
+
+    ``span``: the loop's start offset and limit (the ``cluster`` layout's share of the row).
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -334,7 +387,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 # unrolled so that several chunks' loads are in flight before the first is used
                 text.append(f"{ind}#pragma unroll 4")
-                text.append(f"{ind}for ({IDX} k0 = ({IDX})tk * {vec}; k0 < Kr; "
+                text.append(f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
                             f"k0 += ({IDX})TK * {vec}) {{")
             chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
@@ -362,7 +415,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 el.pre += k.delinearize("kk", list(d.red_vars), list(d.red_extents), cind + "    ")
                 body(el)
                 chunk.lines += [f"{cind}#pragma unroll", f"{cind}for (int v = 0; v < {vec}; ++v) {{",
-                                f"{cind}  const {IDX} kk = k0 + v;", f"{cind}  if (kk < Kr) {{"]
+                                f"{cind}  const {IDX} kk = k0 + v;", f"{cind}  if (kk < {span[1]}) {{"]
                 chunk.lines += el.render()
                 chunk.lines += [f"{cind}  }}", f"{cind}}}"]
             else:
@@ -413,4 +466,4 @@ def _outer_stage(k: _Kernel, ir: KernelIR, em) -> list[str]:
     return L
 
 
-__all__ = ["emit_reduction"]
+__all__ = ["CLUSTER", "emit_reduction", "why_not_cluster"]

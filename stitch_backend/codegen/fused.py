@@ -20,6 +20,7 @@ import torch.fx
 
 from .binding import bind, extents, output_layout
 from .emit_cuda import TILE, TILE_ROWS, Emitted, emit
+from .emit_reduction import CLUSTER
 from .emit_staged import STAGE_ROWS, STAGE_THREADS
 from .interp import interpret as _interpret
 from .kernel_ir import KernelIR, Unsupported
@@ -207,6 +208,13 @@ class FusedKernel:
         if em.serial:               # one thread a row (emit_reduction.SERIAL_MAX_K)
             threads = SERIAL_THREADS
             return max(min(_cdiv(max(rows, 1), threads), MAX_ROW_BLOCKS), 1), threads, 0
+        if em.layout == "cluster":  # a cluster of CLUSTER blocks a row, a share each
+            chunks = _cdiv(_cdiv(reduce_len, CLUSTER), em.vec)
+            tk = min(MAX_THREADS, em.max_threads, _pow2_at_least(max(1, _cdiv(chunks, 8))))
+            threads = max(tk, 128)
+            rb = threads // tk
+            groups = min(_cdiv(max(rows, 1), rb), MAX_ROW_BLOCKS // CLUSTER)
+            return groups * CLUSTER, threads, tk.bit_length() - 1
         if em.layout == "inner":
             chunks = _cdiv(reduce_len, em.vec)
             tk = _pow2_at_least(max(1, _cdiv(chunks, 4)))

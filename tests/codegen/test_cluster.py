@@ -1,0 +1,181 @@
+"""The ``cluster`` reduction layout (``emit_reduction.CLUSTER``): each row shared by the
+blocks of a thread-block cluster, their parts combined in rank order through distributed
+shared memory. On the CPU: what the source holds, the launch, where it does not apply,
+that every eligible kernel of the case table compiles, and when the Coder proposes it; on
+the GPU: eager's values, bit-identical on a second launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from stitch_backend import toolchain
+from stitch_backend.codegen import generate
+from stitch_backend.codegen.emit_reduction import CLUSTER, why_not_cluster
+from stitch_backend.codegen.kernel_ir import Unsupported
+
+from .cases import BIG, CASES
+
+PER_UNIT = 14
+
+
+def _trace(fn, *inputs):
+    return make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*inputs)
+
+
+def _eligible():
+    """The case table's kernels whose template is an inner-layout reduction that the
+    cluster layout applies to, generated in it."""
+    out = []
+    for c in CASES + BIG:
+        if c.trace is None:
+            continue
+        gm = c.trace()
+        k = generate(gm, c.name)
+        if k.emitted.kind != "reduction" or k.emitted.layout != "inner" or k.emitted.serial:
+            continue
+        if why_not_cluster(k.ir) is None:
+            out.append(generate(gm, c.name + "_cl", layout="cluster"))
+    return out
+
+
+@pytest.mark.nvcc
+def test_every_eligible_case_compiles_for_sm90a_in_the_cluster_layout():
+    kernels = _eligible()
+    assert len(kernels) >= 20, len(kernels)
+    jobs = [toolchain.CompileJob("\n".join(k.source for k in kernels[i:i + PER_UNIT]),
+                                 f"cl_unit{i}", "sm_90a") for i in range(0, len(kernels), PER_UNIT)]
+    for j, res in enumerate(toolchain.compile_many(jobs, max_workers=2)):
+        assert not isinstance(res, toolchain.CompileError), str(res)
+        for k in kernels[j * PER_UNIT:(j + 1) * PER_UNIT]:
+            assert k.entry.encode() in res.cubin
+
+
+def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_blocks():
+    """A layer norm (two reduction phases, then the element stores) and an argmax (a
+    value a row): one cluster combine per reduction, the row's value stored by rank 0
+    only, each block's loops bounded by its share, a barrier before the kernel ends, and
+    a launch of CLUSTER blocks a row."""
+    x = torch.randn(6, 50000)
+    ln = generate(_trace(lambda a: F.layer_norm(a, (50000,)), x), "ln_cl", layout="cluster")
+    assert ln.emitted.layout == "cluster"
+    src = ln.source
+    assert f"__cluster_dims__({CLUSTER}, 1, 1)" in src
+    assert src.count("sfk_cluster_reduce<") == len(ln.ir.inner_reductions) >= 2
+    assert src.count("k0 = kb + ") == src.count("for (int k0") > 0
+    assert "k0 < Kr" not in src
+    assert src.rstrip().endswith("sfk_cluster_sync();\n}") or \
+        src.rstrip().splitlines()[-2].strip() == "sfk_cluster_sync();"
+    blocks, threads, log2_tk = ln.launch_shape(6, 50000)
+    assert blocks == 6 * CLUSTER and threads >> log2_tk == 1
+    am = generate(_trace(lambda a: torch.argmax(a, 1), x), "am_cl", layout="cluster")
+    assert "tk == 0 && sfk_rank == 0" in am.source
+    # rows in plenty: the grid stays a whole number of clusters
+    assert generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(3, 512)), "s_cl",
+                    layout="cluster").launch_shape(3000, 512)[0] % CLUSTER == 0
+
+
+def test_the_cluster_layout_applies_to_rows_read_along_their_reduced_index_only():
+    """A reduction over the rows of a column-major read (a sum over dim 0) and one
+    across rows (the sum of the rows' maxima: a last-block stage) raise Unsupported with
+    the reason."""
+    col = _trace(lambda a: a.sum(0), torch.randn(4096, 64))
+    with pytest.raises(Unsupported, match="not read along"):
+        generate(col, "col_cl", layout="cluster")
+    whole = _trace(lambda a: a.amax(1).sum(), torch.randn(64, 4096))
+    assert generate(whole, "whole").ir.outer_reductions
+    with pytest.raises(Unsupported, match="across rows"):
+        generate(whole, "whole_cl", layout="cluster")
+
+
+class _Softmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x * 2.0, -1)
+
+
+def _softmax_region(rows: int, cols: int):
+    from stitch_backend.backend import StitchBackend
+
+    backend = StitchBackend({"cpu_interpret": True, "cache": False})
+    torch.compile(_Softmax(), backend=backend)(torch.randn(rows, cols))
+    rec = backend.records[-1]
+    region = next(r for r in rec.plan.regions if r.kind.value == "fused")
+    return rec, region
+
+
+def test_long_rows_get_the_cluster_alternative_where_the_target_has_clusters():
+    """Rows of 32768: a ``_cl`` candidate beside the template when the Coder's target has
+    clusters, none without; rows of 4096 (they stay in L2 between passes) get none.
+    Interpreted, the candidate gives the region's outputs."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+    from stitch_backend.kernels import InterpretedRunner, runner_for
+    from stitch_backend.regions import region_module
+
+    rec, region = _softmax_region(4, 32768)
+    alts = {a.name: a for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, region, "k")).alternatives}
+    assert "k_cl" in alts, list(alts)
+    assert [k.emitted.layout for k in alts["k_cl"].kernels] == ["cluster"]
+    names = [a.name for a in TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives]
+    assert "k_cl" not in names
+    short_rec, short = _softmax_region(4, 4096)
+    names = [a.name for a in TemplateCoder(clusters=True).propose(
+        subtask_for(short_rec.gm, short, "k")).alternatives]
+    assert "k_cl" not in names
+    module = region_module(rec.gm, region)
+    x = torch.randn(4, 32768)
+    (got,) = runner_for(alts["k_cl"], base=InterpretedRunner)(x)
+    torch.testing.assert_close(got, module(x)[0] if isinstance(module(x), (tuple, list))
+                               else module(x), atol=1e-6, rtol=1e-5)
+
+
+def test_the_backend_asks_for_clusters_on_sm90_only():
+    assert toolchain.has_clusters("sm_90a") and toolchain.has_clusters("sm_100a")
+    assert not toolchain.has_clusters("sm_80") and not toolchain.has_clusters("cpu")
+
+
+# Shapes with ragged shares: 40000 is no multiple of CLUSTER * 4; 33333 odd (no vector
+# path); rows of 20 leave five of the eight blocks without elements.
+GPU_CASES = {
+    "softmax": (lambda a: torch.softmax(a, 1), (5, 40000), torch.float32),
+    "log_softmax_f16": (lambda a: torch.log_softmax(a, 1), (3, 65536), torch.float16),
+    "layer_norm_odd": (lambda a: F.layer_norm(a, (33333,)), (4, 33333), torch.float32),
+    "l2_norm": (lambda a: a / torch.norm(a, p=2, dim=1, keepdim=True), (7, 20000), torch.float32),
+    "argmax": (lambda a: torch.argmax(a, 1), (9, 30001), torch.float32),
+    "short_rows": (lambda a: torch.softmax(a, 1), (300, 20), torch.float32),
+    "bf16_sum": (lambda a: a.sum(-1), (2, 3, 70000), torch.bfloat16),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", sorted(GPU_CASES))
+def test_the_cluster_layout_gives_eagers_values(what):
+    from stitch_backend.cuda_driver import CudaModule
+
+    from .test_gpu import _launch
+
+    fn, shape, dtype = GPU_CASES[what]
+    gen = torch.Generator(device="cuda").manual_seed(len(what))
+    x = torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    if what == "argmax":
+        x[:, 1000] = x[:, 29000] = 100.0      # a tie across two blocks' shares: the first wins
+    gm = _trace(fn, x)
+    kernel = generate(gm, f"cl_{what}", sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
+                      layout="cluster")
+    assert kernel.emitted.layout == "cluster"
+    cubin = toolchain.compile_cubin(kernel.source, kernel.entry, toolchain.device_arch()).cubin
+    launch = CudaModule(cubin).function(kernel.entry, kernel.signature)
+    (got,) = _launch(kernel, launch, [x])
+    want = fn(x)
+    if what == "argmax":
+        assert torch.equal(got, want) and bool((got == 1000).all())
+    else:
+        tol = 1e-2 if dtype != torch.float32 else 1e-5
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    (again,) = _launch(kernel, launch, [x])
+    assert torch.equal(again, got)
