@@ -42,6 +42,7 @@ class Emitted:
     max_threads: int = 1024   # its __launch_bounds__: the launch never exceeds it
     serial: bool = False      # a reduction whose rows take one thread each (short rows)
     cached_values: int = 0    # values its persistent rows keep in registers (cache_values)
+    shared_mem: int = 0       # dynamic shared memory a block (the cluster layout's rows)
 
 
 # The most rows a reduction's row loop steps at once: its grid (fused.MAX_ROW_BLOCKS at
@@ -323,24 +324,26 @@ def _pointwise_body(k: _Kernel, ir, vars_, vec, vloads, vstores, ind, root) -> l
     return lines
 
 
-def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=None):
+def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=None,
+                  slot="c_{name}[j]"):
     """One VEC-wide chunk along ``var``: vector loads, ``body(inner)`` for each of the
     VEC elements (it fills the ``vstores`` lanes through ``_store_lane``), vector stores.
     Both templates use it. ``cached`` (the reduction template's persistent rows): load
     name -> "fill" (load, and keep in the register array ``c_NAME[j]``) or "use" (read
-    ``c_NAME[j]``, loaded by an earlier pass over the row)."""
+    ``c_NAME[j]``, loaded by an earlier pass over the row); ``slot`` names where a kept
+    chunk lives instead (the cluster layout's shared-memory rows)."""
     b0 = sympy.Symbol(f"{var}_0")
     cached = cached or {}
     loaded: dict[str, int] = {}      # vector name -> its line, dropped if this pass never reads it
     for load, name in vloads.items():
         vt = f"sfk_vec<{k.ptr[load.buf]}, {vec}>"
         if cached.get(name) == "use":
-            scope.lines.append(f"{ind}const {vt} {name} = c_{name}[j];")
+            scope.lines.append(f"{ind}const {vt} {name} = {slot.format(name=name)};")
             continue
         off = em.index(load.offset.xreplace({var: b0}), scope)
         value = f"sfk_ldv<{vec}>({load.buf} + {off})"
         if cached.get(name) == "fill":
-            value = f"(c_{name}[j] = {value})"
+            value = f"({slot.format(name=name)} = {value})"
         else:
             loaded[name] = len(scope.lines)
         scope.lines.append(f"{ind}const {vt} {name} = {value};")

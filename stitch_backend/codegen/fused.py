@@ -66,19 +66,22 @@ class Layout:
     tail: tuple               # size symbols, then log2_tk for a reduction
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    shared_mem: int = 0       # dynamic shared memory a block
 
     def to_json(self) -> dict:
         return {"outputs": [[list(s), list(st), _dtype_name(dt)] for s, st, dt in self.outputs],
                 "scratch": [[n, _dtype_name(dt)] for n, dt in self.scratch],
                 "positions": list(self.positions), "tail": list(self.tail),
-                "grid": list(self.grid), "block": list(self.block)}
+                "grid": list(self.grid), "block": list(self.block),
+                "shared_mem": self.shared_mem}
 
     @classmethod
     def from_json(cls, d: dict) -> "Layout":
         return cls(tuple((tuple(s), tuple(st), _dtype(dt)) for s, st, dt in d["outputs"]),
                    tuple((int(n), _dtype(dt)) for n, dt in d["scratch"]),
                    tuple(int(p) for p in d["positions"]), tuple(int(t) for t in d["tail"]),
-                   tuple(int(g) for g in d["grid"]), tuple(int(b) for b in d["block"]))
+                   tuple(int(g) for g in d["grid"]), tuple(int(b) for b in d["block"]),
+                   int(d.get("shared_mem", 0)))
 
 
 _MAX_LAYOUTS = 64  # a symbolic kernel seen at many sizes stops memoising, still correct
@@ -143,7 +146,8 @@ def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "Launch
         scratch.append(t)
         args.append(t.data_ptr())
     args += layout.tail
-    return LaunchPlan(layout.grid, layout.block, 0, tuple(args), tuple(outputs), tuple(scratch), read)
+    return LaunchPlan(layout.grid, layout.block, layout.shared_mem, tuple(args), tuple(outputs),
+                      tuple(scratch), read)
 
 
 def _pow2_at_least(n: int) -> int:
@@ -210,11 +214,10 @@ class FusedKernel:
             return max(min(_cdiv(max(rows, 1), threads), MAX_ROW_BLOCKS), 1), threads, 0
         if em.layout == "cluster":  # a cluster of CLUSTER blocks a row, a share each
             chunks = _cdiv(_cdiv(reduce_len, CLUSTER), em.vec)
-            tk = min(MAX_THREADS, em.max_threads, _pow2_at_least(max(1, _cdiv(chunks, 8))))
-            threads = max(tk, 128)
-            rb = threads // tk
-            groups = min(_cdiv(max(rows, 1), rb), MAX_ROW_BLOCKS // CLUSTER)
-            return groups * CLUSTER, threads, tk.bit_length() - 1
+            # one row a block (the cluster combines one value a reduction per block)
+            tk = min(MAX_THREADS, em.max_threads, _pow2_at_least(max(32, _cdiv(chunks, 8))))
+            groups = min(max(rows, 1), MAX_ROW_BLOCKS // CLUSTER)
+            return groups * CLUSTER, tk, tk.bit_length() - 1
         if em.layout == "inner":
             chunks = _cdiv(reduce_len, em.vec)
             tk = _pow2_at_least(max(1, _cdiv(chunks, 4)))
@@ -284,7 +287,7 @@ class FusedKernel:
         if self.emitted.kind == "reduction":
             tail.append(log2_tk)
         return Layout(outputs, tuple(scratch), tuple(a.position for a in ir.inputs),
-                      tuple(tail), (blocks, 1, 1), (threads, 1, 1))
+                      tuple(tail), (blocks, 1, 1), (threads, 1, 1), self.emitted.shared_mem)
 
     def renamed(self, name: str) -> "FusedKernel":
         """The same kernel under entry point ``name`` (the source differs only there):

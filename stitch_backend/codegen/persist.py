@@ -67,7 +67,7 @@ def _short_row(ir: KernelIR, vec: int) -> bool:
     return bool(length.is_Integer) and int(length) <= PERSIST_THREADS * vec * PERSIST_CHUNKS
 
 
-def _pass_bodies(ir: KernelIR, phases: list[int], elem_stores: list) -> list[list[Expr]]:
+def pass_bodies(ir: KernelIR, phases: list[int], elem_stores: list) -> list[list[Expr]]:
     bodies = [[r.body for r in ir.inner_reductions if r.phase == p] for p in phases]
     if elem_stores:
         bodies.append([st.value for st in elem_stores])
@@ -82,7 +82,7 @@ def load_passes(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int],
     long, or the cached chunks would not fit."""
     if not _short_row(ir, vec):
         return None
-    bodies = _pass_bodies(ir, phases, elem_stores)
+    bodies = pass_bodies(ir, phases, elem_stores)
     if any(isinstance(n, Op) and n.name in _ELEMENT_MATH and any(
             isinstance(m, Load) for m in walk([n])) for b in bodies for n in walk(b)):
         return None
@@ -124,7 +124,7 @@ def value_passes(ir: KernelIR, em: ExprEmitter, vec: int, phases: list[int],
             per_element[e] = last in em.deps(e)
         return per_element[e]
 
-    bodies = _pass_bodies(ir, phases, elem_stores)
+    bodies = pass_bodies(ir, phases, elem_stores)
     computed: dict[Expr, int] = {}        # value -> the pass that computes it
     uses: list[set] = []
     for i, roots in enumerate(bodies):
@@ -159,4 +159,4 @@ def value_passes(ir: KernelIR, em: ExprEmitter, vec: int, phases: list[int],
 
 
 __all__ = ["BYTES", "PERSIST_CHUNKS", "PERSIST_REGS", "PERSIST_THREADS", "load_passes",
-           "value_passes"]
+           "pass_bodies", "value_passes"]

@@ -58,8 +58,8 @@ def test_every_eligible_case_compiles_for_sm90a_in_the_cluster_layout():
 def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_blocks():
     """A layer norm (two reduction phases, then the element stores) and an argmax (a
     value a row): one cluster combine per reduction, the row's value stored by rank 0
-    only, each block's loops bounded by its share, a barrier before the kernel ends, and
-    a launch of CLUSTER blocks a row."""
+    only, each block's loops bounded by its share, a barrier before the kernel ends, a
+    launch of CLUSTER blocks a row, and the share of the row kept in shared memory."""
     x = torch.randn(6, 50000)
     ln = generate(_trace(lambda a: F.layer_norm(a, (50000,)), x), "ln_cl", layout="cluster")
     assert ln.emitted.layout == "cluster"
@@ -72,6 +72,14 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
         src.rstrip().splitlines()[-2].strip() == "sfk_cluster_sync();"
     blocks, threads, log2_tk = ln.launch_shape(6, 50000)
     assert blocks == 6 * CLUSTER and threads >> log2_tk == 1
+    # the block's share of x (50000 / 8, whole chunks of 4) is kept in shared memory by
+    # the first pass and read from there by the two later ones
+    assert ln.emitted.shared_mem == 6252 * 4 == ln.prepare([x]).shared_mem
+    assert src.count("(sfk_rb_") == 1 and src.count("= sfk_rb_") == 2
+    # rows of 20: still one row a block (a warp), three of the eight blocks idle
+    short = generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(3, 20)), "short_cl",
+                     layout="cluster")
+    assert short.launch_shape(300, 20) == (300 * CLUSTER, 32, 5)
     am = generate(_trace(lambda a: torch.argmax(a, 1), x), "am_cl", layout="cluster")
     assert "tk == 0 && sfk_rank == 0" in am.source
     # rows in plenty: the grid stays a whole number of clusters
