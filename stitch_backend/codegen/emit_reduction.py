@@ -4,8 +4,9 @@
 consecutive lanes: shuffles), ``column`` layout when a row index is (consecutive threads
 take consecutive rows: coalesced); ``cluster`` (an alternative the Coder proposes for long
 rows): the inner layout with each row shared by the blocks of a cluster (CLUSTER below).
-Each phase of reductions is one pass over the row, in chunks of VEC elements along the innermost reduced index (16-byte loads where aligned);
-results are combined by ``sfk_group_reduce`` (fixed trees, no atomics); short rows of a
+Each phase of reductions is one pass over the row, in chunks of VEC elements along the
+innermost reduced index (16-byte loads where aligned); results are combined by
+``sfk_group_reduce`` (fixed trees, no atomics); short rows of a
 constant length (SERIAL_MAX_K) take one thread each, in a fully unrolled loop. Reductions
 across rows (``outer``) write one value per row to a workspace that the last block to
 finish reduces in a fixed order.
@@ -152,12 +153,15 @@ SERIAL_MAX_K = 32
 
 # The ``cluster`` layout (sm_90 and later): the CLUSTER blocks of a thread-block cluster
 # share each row, a contiguous share each, and combine their parts in rank order through
-# distributed shared memory (``sfk_cluster_reduce``: deterministic, no atomics). Fewer
-# rows are then in flight at once, so a row that the passes after the first read again
-# is still in L2 when they do: the ``inner`` layout's block a row keeps about 2 rows an SM
-# in flight, 400 MB for the 1.5 MB rows of a softmax over 393216 elements, which a later
-# pass then reads from DRAM again. The Coder proposes it for long rows beside the
-# template (``launch_alternatives.cluster_rows``); the Verifier keeps the faster.
+# distributed shared memory (``sfk_cluster_reduce``: deterministic, no atomics). The
+# ``inner`` layout's block a row keeps about 2 rows an SM in flight, 400 MB for the 1.5 MB
+# rows of a softmax over 393216 elements, so each later pass reads the row from DRAM
+# again; a cluster's share of a row fits in its blocks' shared memory (CLUSTER_SMEM).
+# Without that (unaligned rows: no vector path; shares too large) the later passes
+# re-read the row, perhaps from L2: on an H100 (session 31) that form lost L1 23's softmax
+# (8.58 ms against the template's 6.65) and won an instance norm over rows of 262144
+# (8.92 against 10.17). The Coder proposes it for long rows beside the template
+# (``launch_alternatives.cluster_rows``); the Verifier keeps the faster.
 CLUSTER = 8
 # Where the row's share of the loads that later passes read again fits in this much
 # dynamic shared memory a block, the first pass keeps it there and the later passes read
@@ -184,7 +188,8 @@ def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int]
         return None
     used = [{n for n in walk(b) if isinstance(n, Load) and n in vloads}
             for b in pass_bodies(ir, phases, elem_stores)]
-    again = {ld for i, u in enumerate(used) for ld in u if any(ld in later for later in used[i + 1:])}
+    again = {ld for i, u in enumerate(used) for ld in u
+             if any(ld in later for later in used[i + 1:])}
     if not again:
         return None
     nbytes = sum(_share(ir, vec) * BYTES[k.ptr[ld.buf]] for ld in again)
@@ -286,7 +291,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         for ld, name in vloads.items():
             if any(name in modes for modes in kept_plan):
                 vt = f"sfk_vec<{k.ptr[ld.buf]}, {vec}>"
-                L.append(f"  {vt}* const sfk_rb_{name} = reinterpret_cast<{vt}*>(sfk_dyn + {offset});")
+                L.append(f"  {vt}* const sfk_rb_{name} = "
+                         f"reinterpret_cast<{vt}*>(sfk_dyn + {offset});")
                 offset += _share(ir, vec) * BYTES[k.ptr[ld.buf]]
     L += k.symbol_prologue("  ")
     IDX = k.IDX
@@ -329,7 +335,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         row.pre.append(f"    const bool vec_row = vec_ok{extra};")
     span = ("", "Kr")
     if cluster:   # this block's share of the row: whole vector chunks, in rank order
-        row.pre += [f"    const {IDX} sfk_share = ((Kr + {CLUSTER * vec - 1}) / {CLUSTER * vec}) * {vec};",
+        row.pre += [f"    const {IDX} sfk_share = "
+                    f"((Kr + {CLUSTER * vec - 1}) / {CLUSTER * vec}) * {vec};",
                     f"    const {IDX} kb = ({IDX})sfk_rank * sfk_share;",
                     f"    const {IDX} ke = Kr - kb < sfk_share ? Kr : kb + sfk_share;"]
         span = ("kb + ", "ke")
