@@ -93,9 +93,10 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
     """The candidate again with each inner-layout reduction over long static rows
     (``CLUSTER_MIN_LEN``) that reads its rows more than once (several phases, or element
     stores after them: a softmax, a norm) in the ``cluster`` layout
-    (``emit_reduction.CLUSTER``: a thread-block cluster a row, so that the later passes
-    find the row in L2); none where the Coder's target has no clusters (before sm_90) or
-    no kernel is such."""
+    (``emit_reduction.CLUSTER``: a thread-block cluster a row, each block's share of the
+    row kept in shared memory between the passes); none where the Coder's target has no
+    clusters (before sm_90), no kernel is such, or no such kernel's share fits in shared
+    memory (``emit_reduction.cluster_rows_kept``)."""
     if not getattr(coder, "clusters", False):
         return []
     from stitch_backend.codegen.emit_reduction import why_not_cluster
@@ -110,7 +111,12 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
         return (bool(n.is_Integer) and int(n) >= CLUSTER_MIN_LEN and passes > 1
                 and why_not_cluster(ir) is None)
 
-    cand = _swapped(coder, subtask, stages, long_rows, "cl", layout="cluster")
+    def kept(old: Any, new: Any) -> bool:
+        # only where the share stays in shared memory: re-reading the row through L2
+        # lost L1 23's softmax and L1 38/39's norms on an H100 (emit_reduction.CLUSTER)
+        return new.emitted.shared_mem > 0
+
+    cand = _swapped(coder, subtask, stages, long_rows, "cl", differs=kept, layout="cluster")
     return [] if cand is None else [cand]
 
 
