@@ -14,6 +14,8 @@ finish reduces in a fixed order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy
 
 from . import indexing as ix
@@ -156,8 +158,9 @@ SERIAL_MAX_K = 32
 # distributed shared memory (``sfk_cluster_reduce``: deterministic, no atomics). The
 # ``inner`` layout's block a row keeps about 2 rows an SM in flight, 400 MB for the 1.5 MB
 # rows of a softmax over 393216 elements, so each later pass reads the row from DRAM
-# again; a cluster's share of a row fits in its blocks' shared memory (CLUSTER_SMEM).
-# Without that (unaligned rows: no vector path; shares too large) the later passes
+# again; a cluster's share of a row fits in its blocks' shared memory (CLUSTER_SMEM):
+# the vector path keeps its chunks as loaded, the scalar path (unaligned rows) each
+# element's value. Without that (shares too large, lengths not static) the later passes
 # re-read the row, perhaps from L2: on an H100 (session 31) that form lost L1 23's softmax
 # (8.58 ms against the template's 6.65) and won an instance norm over rows of 262144
 # (8.92 against 10.17). The Coder proposes it for long rows beside the template
@@ -177,29 +180,50 @@ def _share(ir: KernelIR, vec: int) -> int:
     return -(-n // (CLUSTER * vec)) * vec
 
 
+@dataclass
+class RowsKept:
+    """The cluster layout's shared-memory rows: per pass over a row (the phases, then the
+    element stores), the loads it keeps there ("fill") or reads from there ("use"):
+    ``vector`` by vector name (the vector path keeps the chunks as loaded), ``scalar`` by
+    load (the scalar path keeps each element's value in its compute type); ``buffers``:
+    each kept load's byte offset in the block's dynamic shared memory, ``nbytes`` in all.
+    A row takes one path or the other, so both views of a load share its bytes."""
+
+    vector: list[dict[str, str]]
+    scalar: list[dict[Load, str]]
+    buffers: dict[Load, int]
+    nbytes: int
+
+
 def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int],
-                      elem_stores: list) -> tuple[list[dict[str, str]], int] | None:
-    """For the ``cluster`` layout: per pass over a row (the phases, then the element
-    stores), the vector loads it keeps in shared memory ("fill") or reads from there
-    ("use"), and the bytes a block needs; None where no vector load is read by two
-    passes, the row's length is not static, or the share does not fit CLUSTER_SMEM."""
-    if not vloads or not sympy.Mul(*ir.domain.red_extents).is_Integer \
-            or ir.domain.red_limit is not None:
+                      elem_stores: list) -> RowsKept | None:
+    """What the ``cluster`` layout keeps of each row in shared memory: the per-element
+    loads (along the innermost reduced index) that two passes read; None where there are
+    none, the row's length is not static, or a block's share does not fit CLUSTER_SMEM."""
+    d = ir.domain
+    if not sympy.Mul(*d.red_extents).is_Integer or d.red_limit is not None:
         return None
-    used = [{n for n in walk(b) if isinstance(n, Load) and n in vloads}
+    last = d.red_vars[-1]
+    used = [{n for n in walk(b) if isinstance(n, Load) and last in n.offset.free_symbols}
             for b in pass_bodies(ir, phases, elem_stores)]
-    again = {ld for i, u in enumerate(used) for ld in u
-             if any(ld in later for later in used[i + 1:])}
+    again = sorted({ld for i, u in enumerate(used) for ld in u
+                    if any(ld in later for later in used[i + 1:])}, key=repr)
     if not again:
         return None
-    nbytes = sum(_share(ir, vec) * BYTES[k.ptr[ld.buf]] for ld in again)
+    buffers, nbytes = {}, 0
+    for ld in again:
+        buffers[ld] = nbytes
+        width = max(BYTES[k.ptr[ld.buf]], BYTES[compute_ctype(ld.dtype)])
+        nbytes += -(-_share(ir, vec) * width // 16) * 16
     if nbytes > CLUSTER_SMEM:
         return None
-    plan, filled = [], set()
+    vector, scalar, filled = [], [], set()
     for u in used:
-        plan.append({vloads[ld]: "use" if ld in filled else "fill" for ld in u & again})
-        filled |= u & again
-    return plan, nbytes
+        modes = {ld: "use" if ld in filled else "fill" for ld in u if ld in buffers}
+        scalar.append(modes)
+        vector.append({vloads[ld]: m for ld, m in modes.items() if ld in vloads})
+        filled |= set(modes)
+    return RowsKept(vector, scalar, buffers, nbytes)
 
 
 def why_not_cluster(ir: KernelIR) -> str | None:
@@ -269,8 +293,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     max_threads = PERSIST_THREADS if persist else 1024
     # the cluster layout keeps the row's share of the loads later passes read again in
     # shared memory (vector path): the row is then read from memory once
-    rows_kept = cluster_rows_kept(k, ir, vec, vloads, phases, elem_stores) if cluster else None
-    kept_plan, shared_mem = rows_kept or (None, 0)
+    kept = cluster_rows_kept(k, ir, vec, vloads, phases, elem_stores) if cluster else None
     serial = _serial_k(d, layout, vloads, vstores, persist)
     dims = f"__cluster_dims__({CLUSTER}, 1, 1) " if cluster else ""
     L.append(f'extern "C" __global__ void {dims}__launch_bounds__({max_threads}) {ir.name}(')
@@ -285,15 +308,15 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     L.append(f"  __shared__ __align__(16) unsigned char sfk_smem[{staged_values * _smem_width(ir)}];")
     if cluster:     # each reduction's part of this block, for the cluster's other blocks
         L += [f"  __shared__ {_acc_ctype(r)} sfk_cs{r.rid}[2];" for r in ir.inner_reductions]
-    if kept_plan:   # this block's share of each kept load, one after another
+    if kept:        # this block's share of each kept load, one after another
         L.append("  extern __shared__ __align__(16) unsigned char sfk_dyn[];")
-        offset = 0
-        for ld, name in vloads.items():
-            if any(name in modes for modes in kept_plan):
+        for n, (ld, offset) in enumerate(kept.buffers.items()):
+            ct = compute_ctype(ld.dtype)
+            L.append(f"  {ct}* const sfk_rs{n} = reinterpret_cast<{ct}*>(sfk_dyn + {offset});")
+            if ld in vloads:
                 vt = f"sfk_vec<{k.ptr[ld.buf]}, {vec}>"
-                L.append(f"  {vt}* const sfk_rb_{name} = "
+                L.append(f"  {vt}* const sfk_rb_{vloads[ld]} = "
                          f"reinterpret_cast<{vt}*>(sfk_dyn + {offset});")
-                offset += _share(ir, vec) * BYTES[k.ptr[ld.buf]]
     L += k.symbol_prologue("  ")
     IDX = k.IDX
     rows = " * ".join(f"({k.c_size(e)})" for e in d.row_extents) or "1"
@@ -351,7 +374,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                               key=lambda item: item[1]):
             row.pre.append(f"    {compute_ctype(e.dtype)} {name}[{PERSIST_CHUNKS * vec}];")
     passes = iter(persist or [])
-    kept = iter(kept_plan or [])
+    kept_passes = iter(zip(kept.vector, kept.scalar) if kept else [])
+    slots = {ld: f"sfk_rs{n}" for n, ld in enumerate(kept.buffers)} if kept else {}
     value_plan = iter(values or [])
     for p in phases:
         reds = [r for r in ir.inner_reductions if r.phase == p]
@@ -362,7 +386,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
             for r in reds:
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
-                 next(passes, None), serial, next(value_plan, None), span, next(kept, None))
+                 next(passes, None), serial, next(value_plan, None), span,
+                 _kept_pass(next(kept_passes, None), slots))
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -379,7 +404,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, vstores if has_vec else {}, conds,
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
-                 next(passes, None), serial, next(value_plan, None), span, next(kept, None))
+                 next(passes, None), serial, next(value_plan, None), span,
+                 _kept_pass(next(kept_passes, None), slots))
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -395,7 +421,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     return Emitted("\n".join(L) + "\n", ir.name, sig, "reduction", layout, vec, k.idx64,
                    workspaces, names, max_threads, serial=serial is not None,
                    cached_values=len({e for _, fills in values or [] for e in fills}),
-                   shared_mem=shared_mem)
+                   shared_mem=kept.nbytes if kept else 0)
 
 
 def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
@@ -418,8 +444,9 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     register arrays ``cvN[j * VEC + v]`` there.
 
     ``span``: the loop's start offset and limit (the ``cluster`` layout's share of the row);
-    ``kept``: this pass's entry of ``cluster_rows_kept``'s plan (the vector loads it keeps
-    in, or reads from, the block's shared-memory share of the row).
+    ``kept``: this pass's part of ``cluster_rows_kept``'s plan, (vector modes by name,
+    scalar slots by load and mode): the loads it keeps in, or reads from, the block's
+    shared-memory share of the row.
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -468,7 +495,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             if persistent:
                 _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind, cached)
             else:
-                _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind, kept,
+                _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind,
+                              kept[0] if kept else None,
                               slot="sfk_rb_{name}[(k0 - kb) / %d]" % vec)
             em.value_uses, em.fills = {}, {}
         else:
@@ -476,7 +504,9 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             if vec > 1:
                 el = Scope(chunk, set(d.red_vars) | {sympy.Symbol("v")}, cind + "    ")
                 el.pre += k.delinearize("kk", list(d.red_vars), list(d.red_extents), cind + "    ")
+                _kept_scalars(em, kept, "kk - kb", set(d.red_vars))
                 body(el)
+                em.value_uses, em.fills = {}, {}
                 chunk.lines += [f"{cind}#pragma unroll", f"{cind}for (int v = 0; v < {vec}; ++v) {{",
                                 f"{cind}  const {IDX} kk = k0 + v;", f"{cind}  if (kk < {span[1]}) {{"]
                 chunk.lines += el.render()
@@ -484,7 +514,9 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 el = Scope(chunk, set(d.red_vars), cind)
                 el.pre += k.delinearize("k0", list(d.red_vars), list(d.red_extents), cind)
+                _kept_scalars(em, kept, "k0 - kb", set(d.red_vars))
                 body(el)
+                em.value_uses, em.fills = {}, {}
                 chunk.lines += el.render()
         text += chunk.render()
         if persistent:
@@ -493,6 +525,25 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     if has_vec:
         text.append("    }")
     row.lines += text
+
+
+def _kept_pass(modes, slots: dict) -> tuple | None:
+    """One pass's part of a ``RowsKept`` plan as ``_k_loops`` takes it: (vector modes by
+    name, {load: (mode, its scalar slot)}); None without one."""
+    if modes is None:
+        return None
+    vector, scalar = modes
+    return vector, {ld: (m, slots[ld]) for ld, m in scalar.items()}
+
+
+def _kept_scalars(em: ExprEmitter, kept, index: str, deps: set) -> None:
+    """The scalar path's kept loads for one pass: their values read from, or also
+    written to, ``slot[index]`` (the element's place in the block's share)."""
+    if not kept:
+        return
+    em.fills = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "fill"}
+    em.value_uses = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "use"}
+    em.override_deps = set(deps)
 
 
 def _outer_stage(k: _Kernel, ir: KernelIR, em) -> list[str]:

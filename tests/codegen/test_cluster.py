@@ -76,6 +76,12 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
     # the first pass and read from there by the two later ones
     assert ln.emitted.shared_mem == 6252 * 4 == ln.prepare([x]).shared_mem
     assert src.count("(sfk_rb_") == 1 and src.count("= sfk_rb_") == 2
+    # rows of 33333 (odd: no vector path): each element's value kept in its compute type
+    odd = generate(_trace(lambda a: F.layer_norm(a, (33333,)), torch.randn(2, 33333)), "odd_cl",
+                   layout="cluster")
+    assert odd.emitted.vec == 1 and odd.emitted.shared_mem == 4167 * 4 + 4   # 16-byte rounded
+    assert odd.source.count("sfk_rs0[k0 - kb] = ") == 1
+    assert odd.source.count("sfk_rs0[k0 - kb]") == 3
     # rows of 20: still one row a block (a warp), three of the eight blocks idle
     short = generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(3, 20)), "short_cl",
                      layout="cluster")
@@ -118,8 +124,8 @@ def _softmax_region(rows: int, cols: int):
 def test_long_rows_get_the_cluster_alternative_where_the_target_has_clusters():
     """Rows of 32768: a ``_cl`` candidate beside the template when the Coder's target has
     clusters, none without; rows of 4096 (they stay in L2 between passes) get none, nor
-    do rows of 32767 (no vector path, so no share kept in shared memory: that form lost
-    on an H100). Interpreted, the candidate gives the region's outputs."""
+    do rows whose share would not fit in shared memory (the form that re-reads the row
+    through L2 lost on an H100). Interpreted, the candidate gives the region's outputs."""
     from stitch_backend.agents.coder import TemplateCoder
     from stitch_backend.agents.state import subtask_for
     from stitch_backend.kernels import InterpretedRunner, runner_for
@@ -132,7 +138,7 @@ def test_long_rows_get_the_cluster_alternative_where_the_target_has_clusters():
     assert [k.emitted.layout for k in alts["k_cl"].kernels] == ["cluster"]
     names = [a.name for a in TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives]
     assert "k_cl" not in names
-    for rows, cols in ((4, 4096), (4, 32767)):   # short rows; rows with no vector path
+    for rows, cols in ((4, 4096), (2, 524288)):  # short rows; shares past CLUSTER_SMEM
         other_rec, other = _softmax_region(rows, cols)
         names = [a.name for a in TemplateCoder(clusters=True).propose(
             subtask_for(other_rec.gm, other, "k")).alternatives]
@@ -149,12 +155,14 @@ def test_the_backend_asks_for_clusters_on_sm90_only():
     assert not toolchain.has_clusters("sm_80") and not toolchain.has_clusters("cpu")
 
 
-# Shapes with ragged shares: 40000 is no multiple of CLUSTER * 4; 33333 odd (no vector
-# path); rows of 20 leave five of the eight blocks without elements.
+# Shapes with ragged shares: 40000 is no multiple of CLUSTER * 4; 33333 and 40001 odd (no
+# vector path: the scalar path keeps each element's value in shared memory, fp32 for
+# fp16); rows of 20 leave three of the eight blocks without elements.
 GPU_CASES = {
     "softmax": (lambda a: torch.softmax(a, 1), (5, 40000), torch.float32),
     "log_softmax_f16": (lambda a: torch.log_softmax(a, 1), (3, 65536), torch.float16),
     "layer_norm_odd": (lambda a: F.layer_norm(a, (33333,)), (4, 33333), torch.float32),
+    "softmax_f16_odd": (lambda a: torch.softmax(a, 1), (3, 40001), torch.float16),
     "l2_norm": (lambda a: a / torch.norm(a, p=2, dim=1, keepdim=True), (7, 20000), torch.float32),
     "argmax": (lambda a: torch.argmax(a, 1), (9, 30001), torch.float32),
     "short_rows": (lambda a: torch.softmax(a, 1), (300, 20), torch.float32),
