@@ -2,7 +2,8 @@
 is laid out, launched or summed (the Verifier races each against the candidate and keeps
 the fastest): the column and staged layouts of a reduction that writes across its rows,
 the narrow launch of a column reduction over few rows, variances over long rows in
-one pass, and long rows shared by the blocks of a cluster. ``coder`` is the TemplateCoder (its ``sm_count`` and ``_candidate``)."""
+one pass, and long rows shared by the blocks of a cluster. ``coder`` is the
+TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
 
@@ -93,10 +94,10 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
     """The candidate again with each inner-layout reduction over long static rows
     (``CLUSTER_MIN_LEN``) that reads its rows more than once (several phases, or element
     stores after them: a softmax, a norm) in the ``cluster`` layout
-    (``emit_reduction.CLUSTER``: a thread-block cluster a row, each block's share of the
+    (``codegen.cluster``: a thread-block cluster a row, each block's share of the
     row kept in shared memory between the passes); none where the Coder's target has no
     clusters (before sm_90), no kernel is such, or no such kernel's share fits in shared
-    memory (``emit_reduction.cluster_rows_kept``)."""
+    memory (``codegen.cluster.cluster_rows_kept``)."""
     if not getattr(coder, "clusters", False):
         return []
     from stitch_backend.codegen.emit_reduction import why_not_cluster
@@ -113,7 +114,7 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
 
     def kept(old: Any, new: Any) -> bool:
         # only where the share stays in shared memory: re-reading the row through L2
-        # lost L1 23's softmax and L1 38/39's norms on an H100 (emit_reduction.CLUSTER)
+        # lost L1 23's softmax and L1 38/39's norms on an H100 (codegen/cluster.py)
         return new.emitted.shared_mem > 0
 
     cand = _swapped(coder, subtask, stages, long_rows, "cl", differs=kept, layout="cluster")

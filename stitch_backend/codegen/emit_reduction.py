@@ -3,7 +3,7 @@
 ``inner`` layout when the reduced index is contiguous in memory (threads of a group are
 consecutive lanes: shuffles), ``column`` layout when a row index is (consecutive threads
 take consecutive rows: coalesced); ``cluster`` (an alternative the Coder proposes for long
-rows): the inner layout with each row shared by the blocks of a cluster (CLUSTER below).
+rows): the inner layout with each row shared by the blocks of a cluster (``cluster``).
 Each phase of reductions is one pass over the row, in chunks of VEC elements along the
 innermost reduced index (16-byte loads where aligned); results are combined by
 ``sfk_group_reduce`` (fixed trees, no atomics); short rows of a
@@ -14,16 +14,14 @@ finish reduces in a fixed order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import sympy
 
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
-from .persist import (BYTES, PERSIST_CHUNKS, PERSIST_THREADS, load_passes, pass_bodies,
-                      value_passes)
+from .cluster import CLUSTER, cluster_rows_kept, kept_pass, kept_scalars
+from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
     "sum": lambda t: "0", "prod": lambda t: "1", "any": lambda t: "false", "all": lambda t: "true",
@@ -152,79 +150,6 @@ def stores_across_rows(ir: KernelIR) -> bool:
 # division, clamps and bounds checks, and the generated kernel took 15.27 ms on the
 # H200 against ATen's 10.84 (which also writes int64 indices).
 SERIAL_MAX_K = 32
-
-# The ``cluster`` layout (sm_90 and later): the CLUSTER blocks of a thread-block cluster
-# share each row, a contiguous share each, and combine their parts in rank order through
-# distributed shared memory (``sfk_cluster_reduce``: deterministic, no atomics). The
-# ``inner`` layout's block a row keeps about 2 rows an SM in flight, 400 MB for the 1.5 MB
-# rows of a softmax over 393216 elements, so each later pass reads the row from DRAM
-# again; a cluster's share of a row fits in its blocks' shared memory (CLUSTER_SMEM):
-# the vector path keeps its chunks as loaded, the scalar path (unaligned rows) each
-# element's value. Without that (shares too large, lengths not static) the later passes
-# re-read the row, perhaps from L2: on an H100 (session 31) that form lost L1 23's softmax
-# (8.58 ms against the template's 6.65) and won an instance norm over rows of 262144
-# (8.92 against 10.17). The Coder proposes it for long rows beside the template
-# (``launch_alternatives.cluster_rows``); the Verifier keeps the faster.
-CLUSTER = 8
-# Where the row's share of the loads that later passes read again fits in this much
-# dynamic shared memory a block, the first pass keeps it there and the later passes read
-# it from there: the row is read from memory once. (On an H100, kb/tune/cluster_softmax.py:
-# a softmax over 4096 rows of 393216 fp32, 8 blocks of 1024 threads a row, took 4.67 ms
-# so, 6.10 re-reading the row through L2, against the template's 6.65 and eager's 8.65.)
-CLUSTER_SMEM = 200 * 1024
-
-
-def _share(ir: KernelIR, vec: int) -> int:
-    """Elements of a static row that one block of a cluster takes (whole vector chunks)."""
-    n = int(sympy.Mul(*ir.domain.red_extents))
-    return -(-n // (CLUSTER * vec)) * vec
-
-
-@dataclass
-class RowsKept:
-    """The cluster layout's shared-memory rows: per pass over a row (the phases, then the
-    element stores), the loads it keeps there ("fill") or reads from there ("use"):
-    ``vector`` by vector name (the vector path keeps the chunks as loaded), ``scalar`` by
-    load (the scalar path keeps each element's value in its compute type); ``buffers``:
-    each kept load's byte offset in the block's dynamic shared memory, ``nbytes`` in all.
-    A row takes one path or the other, so both views of a load share its bytes."""
-
-    vector: list[dict[str, str]]
-    scalar: list[dict[Load, str]]
-    buffers: dict[Load, int]
-    nbytes: int
-
-
-def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int],
-                      elem_stores: list) -> RowsKept | None:
-    """What the ``cluster`` layout keeps of each row in shared memory: the per-element
-    loads (along the innermost reduced index) that two passes read; None where there are
-    none, the row's length is not static, or a block's share does not fit CLUSTER_SMEM."""
-    d = ir.domain
-    if not sympy.Mul(*d.red_extents).is_Integer or d.red_limit is not None:
-        return None
-    last = d.red_vars[-1]
-    used = [{n for n in walk(b) if isinstance(n, Load) and last in n.offset.free_symbols}
-            for b in pass_bodies(ir, phases, elem_stores)]
-    again = sorted({ld for i, u in enumerate(used) for ld in u
-                    if any(ld in later for later in used[i + 1:])}, key=repr)
-    if not again:
-        return None
-    buffers, nbytes = {}, 0
-    for ld in again:
-        buffers[ld] = nbytes
-        width = max(BYTES[k.ptr[ld.buf]], BYTES[compute_ctype(ld.dtype)])
-        nbytes += -(-_share(ir, vec) * width // 16) * 16
-    if nbytes > CLUSTER_SMEM:
-        return None
-    vector, scalar, filled = [], [], set()
-    for u in used:
-        modes = {ld: "use" if ld in filled else "fill" for ld in u if ld in buffers}
-        scalar.append(modes)
-        vector.append({vloads[ld]: m for ld, m in modes.items() if ld in vloads})
-        filled |= set(modes)
-    return RowsKept(vector, scalar, buffers, nbytes)
-
 
 def why_not_cluster(ir: KernelIR) -> str | None:
     """Why ``ir`` cannot take the ``cluster`` layout; None where it can."""
@@ -387,7 +312,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial, next(value_plan, None), span,
-                 _kept_pass(next(kept_passes, None), slots))
+                 kept_pass(next(kept_passes, None), slots))
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -405,7 +330,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
                  next(passes, None), serial, next(value_plan, None), span,
-                 _kept_pass(next(kept_passes, None), slots))
+                 kept_pass(next(kept_passes, None), slots))
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -504,7 +429,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             if vec > 1:
                 el = Scope(chunk, set(d.red_vars) | {sympy.Symbol("v")}, cind + "    ")
                 el.pre += k.delinearize("kk", list(d.red_vars), list(d.red_extents), cind + "    ")
-                _kept_scalars(em, kept, "kk - kb", set(d.red_vars))
+                kept_scalars(em, kept, "kk - kb", set(d.red_vars))
                 body(el)
                 em.value_uses, em.fills = {}, {}
                 chunk.lines += [f"{cind}#pragma unroll", f"{cind}for (int v = 0; v < {vec}; ++v) {{",
@@ -514,7 +439,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 el = Scope(chunk, set(d.red_vars), cind)
                 el.pre += k.delinearize("k0", list(d.red_vars), list(d.red_extents), cind)
-                _kept_scalars(em, kept, "k0 - kb", set(d.red_vars))
+                kept_scalars(em, kept, "k0 - kb", set(d.red_vars))
                 body(el)
                 em.value_uses, em.fills = {}, {}
                 chunk.lines += el.render()
@@ -525,25 +450,6 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     if has_vec:
         text.append("    }")
     row.lines += text
-
-
-def _kept_pass(modes, slots: dict) -> tuple | None:
-    """One pass's part of a ``RowsKept`` plan as ``_k_loops`` takes it: (vector modes by
-    name, {load: (mode, its scalar slot)}); None without one."""
-    if modes is None:
-        return None
-    vector, scalar = modes
-    return vector, {ld: (m, slots[ld]) for ld, m in scalar.items()}
-
-
-def _kept_scalars(em: ExprEmitter, kept, index: str, deps: set) -> None:
-    """The scalar path's kept loads for one pass: their values read from, or also
-    written to, ``slot[index]`` (the element's place in the block's share)."""
-    if not kept:
-        return
-    em.fills = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "fill"}
-    em.value_uses = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "use"}
-    em.override_deps = set(deps)
 
 
 def _outer_stage(k: _Kernel, ir: KernelIR, em) -> list[str]:

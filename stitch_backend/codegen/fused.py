@@ -20,7 +20,7 @@ import torch.fx
 
 from .binding import bind, extents, output_layout
 from .emit_cuda import TILE, TILE_ROWS, Emitted, emit
-from .emit_reduction import CLUSTER
+from .cluster import CLUSTER
 from .emit_staged import STAGE_ROWS, STAGE_THREADS
 from .interp import interpret as _interpret
 from .kernel_ir import KernelIR, Unsupported

@@ -1,4 +1,4 @@
-"""The ``cluster`` reduction layout (``emit_reduction.CLUSTER``): each row shared by the
+"""The ``cluster`` reduction layout (``codegen.cluster``): each row shared by the
 blocks of a thread-block cluster, their parts combined in rank order through distributed
 shared memory. On the CPU: what the source holds, the launch, where it does not apply,
 that every eligible kernel of the case table compiles, and when the Coder proposes it; on
@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from stitch_backend import toolchain
 from stitch_backend.codegen import generate
-from stitch_backend.codegen.emit_reduction import CLUSTER, why_not_cluster
+from stitch_backend.codegen.cluster import CLUSTER
+from stitch_backend.codegen.emit_reduction import why_not_cluster
 from stitch_backend.codegen.kernel_ir import Unsupported
 
 from .cases import BIG, CASES
