@@ -1,10 +1,15 @@
 """GPU benchmark: a generated fused kernel vs eager PyTorch on big inputs (not a test).
 
     python -m stitch_backend.codegen.bench_fused [--sm-count N] [--iters N]
+        [--long-rows] [--layouts inner,cluster] [--only NAME ...]
 
 For each region: compile, check the result against eager, then time both with CUDA
 events (median of ``iters`` runs, L2 flushed before each run) and print the effective
-bandwidth (bytes read + written by the region, once each) in GB/s.
+bandwidth (bytes read + written by the region, once each) in GB/s. ``--long-rows``
+times KernelBench L1's long-row reductions instead (L1 23 softmax, 24 log_softmax, 34
+instance norm, 38/39 row norms: 6-9 GB each); ``--layouts`` generates each region in
+each reduction layout named (``emit_reduction``; the cluster layout needs sm_90), one
+row per layout.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import toolchain
-from .fused import generate
+from .fused import Unsupported, generate
 
 
 def _regions(device: str):
@@ -39,6 +44,24 @@ def _regions(device: str):
     ]
 
 
+def _long_rows(device: str):
+    def r(*shape):
+        return torch.rand(*shape, device=device)
+
+    return [
+        # inputs made when timed (one region's 6-9 GB at a time)
+        ("L1 23 softmax 4096x393216", lambda a: torch.softmax(a, 1), lambda: [r(4096, 393216)]),
+        ("L1 24 log_softmax 4096x393216", lambda a: torch.log_softmax(a, 1),
+         lambda: [r(4096, 393216)]),
+        ("L1 34 instance_norm 112x64x512x512", lambda a: F.instance_norm(a),
+         lambda: [r(112, 64, 512, 512)]),
+        ("L1 38 l1 row norm 32768x65535", lambda a: a / a.abs().mean(1, keepdim=True),
+         lambda: [r(32768, 65535)]),
+        ("L1 39 l2 row norm 32768x65535", lambda a: a / a.norm(p=2, dim=1, keepdim=True),
+         lambda: [r(32768, 65535)]),
+    ]
+
+
 def _time(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
     fn()
     torch.cuda.synchronize()
@@ -54,8 +77,10 @@ def _time(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
     return statistics.median(times)
 
 
-def bench(sm_count: int | None = None, iters: int = 50) -> list[dict]:
-    """Time every region; returns one row per region (and prints a table)."""
+def bench(sm_count: int | None = None, iters: int = 50, long_rows: bool = False,
+          layouts: tuple = (None,), only: tuple = ()) -> list[dict]:
+    """Time every region (each of ``layouts``: None is the template's choice); returns
+    one row per region and layout (and prints a table)."""
     from ..cuda_driver import CudaModule
 
     device = "cuda"
@@ -64,9 +89,19 @@ def bench(sm_count: int | None = None, iters: int = 50) -> list[dict]:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)  # > the 60 MB L2
     rows = []
     print(f"{'region':34s} {'eager ms':>9s} {'fused ms':>9s} {'eager GB/s':>11s} {'fused GB/s':>11s} {'speedup':>8s}")
-    for name, fn, inputs in _regions(device):
+    for (name, fn, make), layout in [(reg, lay) for reg in (_long_rows if long_rows else _regions)(device)
+                                     for lay in layouts]:
+        if only and not any(o in name for o in only):
+            continue
+        inputs = make() if callable(make) else make
         gm = make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*inputs)
-        kernel = generate(gm, "bench_" + "".join(ch if ch.isalnum() else "_" for ch in name), sm_count=sm)
+        entry = "bench_" + "".join(ch if ch.isalnum() else "_" for ch in name) + f"_{layout or 'default'}"
+        try:
+            kernel = generate(gm, entry, sm_count=sm, layout=layout)
+        except Unsupported as err:
+            print(f"{name:34s} {layout}: {err}")
+            continue
+        name = f"{name} [{kernel.emitted.layout or 'pointwise'}]"
         cubin = toolchain.compile_cubin(kernel.source, kernel.entry, arch).cubin
         func = CudaModule(cubin).function(kernel.entry, kernel.signature)
         plan = kernel.prepare(inputs)
@@ -82,12 +117,13 @@ def bench(sm_count: int | None = None, iters: int = 50) -> list[dict]:
             torch.testing.assert_close(o, e, atol=tol, rtol=tol)
         nbytes = sum(x.numel() * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
         nbytes += sum(o.numel() * o.element_size() for o in plan.outputs)
-        t_eager = _time(lambda: gm(*inputs), iters, flush)
+        t_eager = _time(lambda: fn(*inputs), iters, flush)     # the function as written
         t_fused = _time(run_fused, iters, flush)
         row = dict(region=name, eager_ms=t_eager, fused_ms=t_fused, eager_gbs=nbytes / t_eager / 1e6,
                    fused_gbs=nbytes / t_fused / 1e6, speedup=t_eager / t_fused, grid=plan.grid,
                    block=plan.block)
         rows.append(row)
+        inputs = ref = plan = None     # free this region's tensors before the next
         print(f"{name:34s} {t_eager:9.3f} {t_fused:9.3f} {row['eager_gbs']:11.0f} {row['fused_gbs']:11.0f} "
               f"{row['speedup']:7.2f}x")
     return rows
@@ -97,8 +133,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sm-count", type=int, default=None)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--long-rows", action="store_true", help="KernelBench L1's long-row reductions")
+    ap.add_argument("--layouts", default="", help="comma list of reduction layouts (default: the template's)")
+    ap.add_argument("--only", nargs="*", default=[], help="regions whose name contains one of these")
     args = ap.parse_args(argv)
-    bench(args.sm_count, args.iters)
+    layouts = tuple(x or None for x in args.layouts.split(",")) if args.layouts else (None,)
+    bench(args.sm_count, args.iters, args.long_rows, layouts, tuple(args.only))
 
 
 if __name__ == "__main__":
