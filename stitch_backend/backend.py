@@ -388,9 +388,12 @@ class StitchBackend:
                 lt_ops.remember_in(store)   # cuBLASLt algorithm choices persist too
             entry, slot = artifacts.claim(store, key.digest)
             if entry is not None:
+                from .toolchain import has_clusters
+
                 warm = artifacts.warm_start(entry, gm, plan, task_graph=_kernel_prefix(key),
                                             sm_count=sm_count, base=base,
-                                            split_stats=self.config.split_stats, notes=notes)
+                                            split_stats=self.config.split_stats,
+                                            clusters=has_clusters(arch), notes=notes)
                 if warm is not None:
                     notes.append(f"loaded from the cache ({len(warm.runners)} kernel(s), "
                                  f"key {key.short})")

@@ -198,3 +198,21 @@ def test_the_cluster_layout_gives_eagers_values(what):
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     (again,) = _launch(kernel, launch, [x])
     assert torch.equal(again, got)
+
+
+def test_a_cached_cluster_kernel_is_regenerated_by_a_coder_with_clusters():
+    """A warm start regenerates a stored kernel for shapes the entry has no launch for:
+    with the Coder's ``clusters`` setting of the entry's arch (``artifacts.warm_start``'s
+    ``clusters``) it finds the stored ``_cl`` source again; without, it cannot."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+    from stitch_backend.artifacts import _regenerated, sha256
+
+    rec, region = _softmax_region(4, 32768)
+    alts = {a.name: a for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, region, f"k_{region.name}")).alternatives}
+    stored = next(a for name, a in alts.items() if name.endswith("_cl"))
+    digest = sha256(stored.source)
+    found = _regenerated(TemplateCoder(clusters=True), rec.gm, region, "k", digest)
+    assert found is not None and found.name == stored.name
+    assert _regenerated(TemplateCoder(), rec.gm, region, "k", digest) is None
