@@ -10,7 +10,7 @@ import sympy
 
 from .emit_expr import ExprEmitter, compute_ctype
 from .kernel_ir import KernelIR, Load, walk
-from .persist import BYTES, pass_bodies
+from .persist import BYTES, fill_or_use, pass_bodies, read_again
 
 # The ``cluster`` layout (sm_90 and later): the CLUSTER blocks of a thread-block cluster
 # share each row, a contiguous share each, and combine their parts in rank order through
@@ -44,12 +44,13 @@ class RowsKept:
     """The cluster layout's shared-memory rows: per pass over a row (the phases, then the
     element stores), the loads it keeps there ("fill") or reads from there ("use"):
     ``vector`` by vector name (the vector path keeps the chunks as loaded), ``scalar`` by
-    load (the scalar path keeps each element's value in its compute type); ``buffers``:
+    load, with its slot's name ``sfk_rsN`` (the scalar path keeps each element's value in
+    its compute type); ``buffers``:
     each kept load's byte offset in the block's dynamic shared memory, ``nbytes`` in all.
     A row takes one path or the other, so both views of a load share its bytes."""
 
     vector: list[dict[str, str]]
-    scalar: list[dict[Load, str]]
+    scalar: list[dict[Load, tuple[str, str]]]
     buffers: dict[Load, int]
     nbytes: int
 
@@ -65,8 +66,7 @@ def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int]
     last = d.red_vars[-1]
     used = [{n for n in walk(b) if isinstance(n, Load) and last in n.offset.free_symbols}
             for b in pass_bodies(ir, phases, elem_stores)]
-    again = sorted({ld for i, u in enumerate(used) for ld in u
-                    if any(ld in later for later in used[i + 1:])}, key=repr)
+    again = sorted(read_again(used), key=repr)
     if not again:
         return None
     buffers, nbytes = {}, 0
@@ -76,22 +76,11 @@ def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int]
         nbytes += -(-_share(ir, vec) * width // 16) * 16
     if nbytes > CLUSTER_SMEM:
         return None
-    vector, scalar, filled = [], [], set()
-    for u in used:
-        modes = {ld: "use" if ld in filled else "fill" for ld in u if ld in buffers}
-        scalar.append(modes)
-        vector.append({vloads[ld]: m for ld, m in modes.items() if ld in vloads})
-        filled |= set(modes)
-    return RowsKept(vector, scalar, buffers, nbytes)
-
-
-def kept_pass(modes, slots: dict) -> tuple | None:
-    """One pass's part of a ``RowsKept`` plan as ``_k_loops`` takes it: (vector modes by
-    name, {load: (mode, its scalar slot)}); None without one."""
-    if modes is None:
-        return None
-    vector, scalar = modes
-    return vector, {ld: (m, slots[ld]) for ld, m in scalar.items()}
+    slots = {ld: f"sfk_rs{n}" for n, ld in enumerate(buffers)}
+    plan = fill_or_use(used, buffers)
+    return RowsKept([{vloads[ld]: m for ld, m in modes.items() if ld in vloads} for modes in plan],
+                    [{ld: (m, slots[ld]) for ld, m in modes.items()} for modes in plan],
+                    buffers, nbytes)
 
 
 def kept_scalars(em: ExprEmitter, kept, index: str, deps: set) -> None:
@@ -104,4 +93,4 @@ def kept_scalars(em: ExprEmitter, kept, index: str, deps: set) -> None:
     em.override_deps = set(deps)
 
 
-__all__ = ["CLUSTER", "CLUSTER_SMEM", "RowsKept", "cluster_rows_kept", "kept_pass", "kept_scalars"]
+__all__ = ["CLUSTER", "CLUSTER_SMEM", "RowsKept", "cluster_rows_kept", "kept_scalars"]

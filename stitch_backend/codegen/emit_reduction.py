@@ -20,7 +20,7 @@ from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
-from .cluster import CLUSTER, cluster_rows_kept, kept_pass, kept_scalars
+from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
@@ -300,7 +300,6 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
             row.pre.append(f"    {compute_ctype(e.dtype)} {name}[{PERSIST_CHUNKS * vec}];")
     passes = iter(persist or [])
     kept_passes = iter(zip(kept.vector, kept.scalar) if kept else [])
-    slots = {ld: f"sfk_rs{n}" for n, ld in enumerate(kept.buffers)} if kept else {}
     value_plan = iter(values or [])
     for p in phases:
         reds = [r for r in ir.inner_reductions if r.phase == p]
@@ -312,7 +311,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial, next(value_plan, None), span,
-                 kept_pass(next(kept_passes, None), slots))
+                 next(kept_passes, None))
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -330,7 +329,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
                  next(passes, None), serial, next(value_plan, None), span,
-                 kept_pass(next(kept_passes, None), slots))
+                 next(kept_passes, None))
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")

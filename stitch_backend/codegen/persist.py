@@ -87,21 +87,28 @@ def load_passes(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int],
             isinstance(m, Load) for m in walk([n])) for b in bodies for n in walk(b)):
         return None
     used = [{n for n in walk(b) if isinstance(n, Load) and n in vloads} for b in bodies]
-    again = {ld for i, u in enumerate(used) for ld in u
-             if any(ld in later for later in used[i + 1:])}
+    again = read_again(used)
     if not again:
         return None
     regs = sum(max(1, vec * BYTES.get(k.ptr[ld.buf], 8) // 4) for ld in again) * PERSIST_CHUNKS
     if regs > PERSIST_REGS:
         return None
-    plan: list[dict[str, str]] = []
-    filled: set = set()
+    return [{vloads[ld]: m for ld, m in modes.items()} for modes in fill_or_use(used, again)]
+
+
+def read_again(used: list[set]) -> set:
+    """The loads of ``used`` (each pass's loads) that a later pass reads again."""
+    return {ld for i, u in enumerate(used) for ld in u
+            if any(ld in later for later in used[i + 1:])}
+
+
+def fill_or_use(used: list[set], kept) -> list[dict]:
+    """Per pass, each of its ``kept`` loads: "fill" where it is first read (and kept),
+    "use" where an earlier pass kept it."""
+    plan, filled = [], set()
     for u in used:
-        modes = {}
-        for ld in u & again:
-            modes[vloads[ld]] = "use" if ld in filled else "fill"
-            filled.add(ld)
-        plan.append(modes)
+        plan.append({ld: "use" if ld in filled else "fill" for ld in u if ld in kept})
+        filled |= {ld for ld in u if ld in kept}
     return plan
 
 
@@ -158,5 +165,5 @@ def value_passes(ir: KernelIR, em: ExprEmitter, vec: int, phases: list[int],
              {e: name[e] for e in kept if computed[e] == i}) for i in range(len(bodies))]
 
 
-__all__ = ["BYTES", "PERSIST_CHUNKS", "PERSIST_REGS", "PERSIST_THREADS", "load_passes",
-           "pass_bodies", "value_passes"]
+__all__ = ["BYTES", "PERSIST_CHUNKS", "PERSIST_REGS", "PERSIST_THREADS", "fill_or_use",
+           "load_passes", "pass_bodies", "read_again", "value_passes"]
