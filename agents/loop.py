@@ -86,7 +86,8 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     alternatives = [a for c in proposals for a in c.alternatives if a.kernels]
     # and so does a library-only candidate of its own (a plain gemm's cuBLASLt call)
     built = [c for c in proposals if c.kernels]
-    jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),))
+    jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),),
+                       compiler=cfg.compiler)
             for c in built + alternatives]
     with progress.bar(len(jobs), f"compiling {task.graph}", "kernel",
                       enabled=cfg.progress) as shown:

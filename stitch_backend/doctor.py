@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from . import config as config_mod
-from .toolchain import ToolchainError, find_nvcc, nvcc_version
+from .toolchain import (ToolchainError, find_nvcc, nvcc_version, nvrtc_version,
+                        resolve_compiler)
 from .version import __version__
 
 
@@ -85,8 +86,25 @@ def diagnose() -> DoctorReport:
     report.facts["nvcc"] = version
     report.checks.append(Check("nvcc", nvcc is not None,
                                f"{nvcc} ({version})" if nvcc else
-                               "not found (set CUDA_HOME or put nvcc on PATH); "
-                               "kernels cannot be compiled", required=False))
+                               "not found (set CUDA_HOME or put nvcc on PATH); the cuBLASLt "
+                               "runtime cannot be built", required=False))
+    try:
+        nvrtc = nvrtc_version()
+    except ToolchainError:
+        nvrtc = None
+    report.facts["nvrtc"] = nvrtc
+    report.checks.append(Check("NVRTC", nvrtc is not None,
+                               f"libnvrtc {nvrtc}" if nvrtc else "libnvrtc does not load "
+                               "(pip install nvidia-cuda-nvrtc)", required=False))
+    try:
+        compiler = resolve_compiler(cfg.compiler)
+    except ToolchainError:
+        compiler = None
+    report.facts["compiler"] = compiler
+    report.checks.append(Check("kernel compiler", compiler is not None,
+                               f"{compiler} (setting compiler={cfg.compiler!r})" if compiler
+                               else f"none for compiler={cfg.compiler!r}: generated kernels "
+                               "cannot be compiled", required=False))
 
     root = cfg.cache_root()
     report.facts["cache_dir"] = str(root)

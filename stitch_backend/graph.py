@@ -153,16 +153,21 @@ def input_metas(example_inputs: list[Any]) -> list[dict[str, Any]]:
 
 def versions() -> dict[str, str]:
     """Versions folded into every key (a change of any of them invalidates the cache)."""
-    from .toolchain import ToolchainError, nvcc_version
+    from .toolchain import ToolchainError, nvcc_version, nvrtc_version
 
     try:
         nvcc = nvcc_version()
     except (ToolchainError, OSError, subprocess.SubprocessError):
         nvcc = "none"
+    try:   # the default compiler of generated kernels (toolchain.resolve_compiler)
+        nvrtc = nvrtc_version()
+    except (ToolchainError, OSError):
+        nvrtc = "none"
     return {
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
         "nvcc": nvcc,
+        "nvrtc": nvrtc,
         "stitchcuda": __version__,
         "code": code_digest(),
     }

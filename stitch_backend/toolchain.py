@@ -1,10 +1,18 @@
-"""Compile generated CUDA C++ (no torch headers) to cubins: nvcc first, NVRTC when nvcc is absent.
+"""Compile generated CUDA C++ (no torch headers) to cubins: NVRTC first, nvcc when
+libnvrtc does not load (``compiler`` setting: "auto", "nvrtc" or "nvcc").
 
 Why not ``torch.utils.cpp_extension``: on the H200 a one-line ``load_inline`` took 35 s
 cold (the torch headers); ``nvcc -cubin`` of a small fused kernel took 0.7 s and NVRTC
 0.5 s. So generated code is plain CUDA C++ that may include the headers in ``csrc/``
 (always on the include path), compiled for one arch (``sm_90a`` on H200) and launched
 with the driver API (see ``cuda_driver.py``).
+
+Why NVRTC first: it compiles in this process, so a kernel costs no nvcc process chain
+(preprocessor, cudafe, cicc, ptxas as separate programs). On this project's CPU machine
+(2026-12-07, 2 cores, kernels of the codegen case table for sm_90a, one a compile):
+nvcc 0.63 s a kernel, NVRTC 0.12 s; 40 kernels took 3.84 s one after another through
+NVRTC and 1.94 s in 4 threads, the cubins byte-identical to the serial ones. ResNet18's
+two layouts' 56 kernels had taken 7.7 s of nvcc on the H100 (session 31).
 
 Every compile is memoised in-process by sha256(source, arch, flags, include dirs,
 compiler version, csrc headers), so compiling the same region twice costs nothing.
@@ -45,6 +53,7 @@ __all__ = [
     "compile_kernel",
     "compile_many",
     "compile_nvrtc",
+    "COMPILERS",
     "csrc_dir",
     "cuda_include_dirs",
     "device_arch",
@@ -58,6 +67,8 @@ __all__ = [
 # eager, and fast-math swaps erff/expf/division for approximations.
 NVCC_BASE_FLAGS: tuple[str, ...] = ("-cubin", "-O3", "-std=c++17", "-lineinfo")
 NVRTC_BASE_FLAGS: tuple[str, ...] = ("-std=c++17", "-lineinfo")
+# The ``compiler`` setting's values: "auto" is NVRTC when libnvrtc loads, else nvcc.
+COMPILERS: tuple[str, ...] = ("auto", "nvrtc", "nvcc")
 LOG_LINES_IN_STR = 40
 
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
@@ -115,6 +126,7 @@ class CompileJob:
     arch: str
     include_dirs: tuple[str | Path, ...] = ()
     extra_flags: tuple[str, ...] = ()
+    compiler: str = "auto"   # one of COMPILERS
 
 
 # --------------------------------------------------------------------------- discovery
@@ -242,9 +254,11 @@ _headers_digest: str | None = None
 
 
 def clear_memo() -> None:
-    """Forget every memoised compile (tests use this)."""
+    """Forget every memoised compile and what "auto" resolved to (tests use this)."""
+    global _auto_choice
     with _memo_lock:
         _memo.clear()
+    _auto_choice = None
 
 
 def _csrc_headers_digest() -> str:
@@ -360,7 +374,8 @@ def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None,
     def one(job: CompileJob) -> CompiledKernel | CompileError:
         try:
             return compile_kernel(
-                job.source, job.name, job.arch, include_dirs=job.include_dirs, extra_flags=job.extra_flags
+                job.source, job.name, job.arch, include_dirs=job.include_dirs,
+                extra_flags=job.extra_flags, compiler=job.compiler,
             )
         except CompileError as e:
             return e
@@ -379,16 +394,48 @@ def compile_kernel(
     *,
     include_dirs: Sequence[str | Path] = (),
     extra_flags: Sequence[str] = (),
+    compiler: str = "auto",
 ) -> CompiledKernel:
-    """Compile with nvcc when it exists, else with NVRTC (logged at INFO); else ToolchainError.
+    """Compile with ``compiler`` (see ``COMPILERS``; ``resolve_compiler`` says which one
+    "auto" is here); ToolchainError if it is not there.
 
     ``extra_flags`` go to whichever compiler runs; keep them to flags both accept
     (``-D...``, ``-maxrregcount=N``) or call ``compile_cubin``/``compile_nvrtc`` directly.
     """
-    if find_nvcc() is not None:
-        return compile_cubin(source, name, arch, include_dirs=include_dirs, extra_flags=extra_flags)
-    log.info("nvcc not found; compiling %s with NVRTC", name)
-    return compile_nvrtc(source, name, arch, include_dirs=include_dirs, extra_flags=extra_flags)
+    if resolve_compiler(compiler) == "nvrtc":
+        return compile_nvrtc(source, name, arch, include_dirs=include_dirs, extra_flags=extra_flags)
+    return compile_cubin(source, name, arch, include_dirs=include_dirs, extra_flags=extra_flags)
+
+
+def resolve_compiler(compiler: str = "auto") -> str:
+    """"nvrtc" or "nvcc": the compiler ``compiler`` names, "auto" being NVRTC when libnvrtc
+    loads and nvcc otherwise (decided once a process, said at INFO). ToolchainError when the
+    one named (for "auto", either) is missing; ValueError for a name not in COMPILERS."""
+    global _auto_choice
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown compiler {compiler!r}; valid: {', '.join(COMPILERS)}")
+    if compiler == "nvcc":
+        _require_nvcc()
+        return "nvcc"
+    if compiler == "nvrtc":
+        load_nvrtc()
+        return "nvrtc"
+    if _auto_choice is None:
+        try:
+            load_nvrtc()
+            _auto_choice = "nvrtc"
+        except ToolchainError as err:
+            if find_nvcc() is None:
+                raise ToolchainError(f"{err}\nand nvcc was not found either (looked in "
+                                     "$CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin)"
+                                     ) from None
+            log.info("libnvrtc did not load, generated kernels compile with nvcc (%s)",
+                     str(err).splitlines()[0])
+            _auto_choice = "nvcc"
+    return _auto_choice
+
+
+_auto_choice: str | None = None
 
 
 # --------------------------------------------------------------------------- NVRTC

@@ -223,15 +223,51 @@ def test_compile_kernel_uses_nvrtc_when_nvcc_is_missing(monkeypatch):
     assert k.cmd[0] == "nvrtc" and k.cubin[:4] == b"\x7fELF"
 
 
+def _no_nvrtc():
+    raise toolchain.ToolchainError("libnvrtc could not be loaded; tried: (test)")
+
+
 def test_compile_kernel_without_any_compiler_says_so(monkeypatch):
     monkeypatch.setattr(toolchain, "find_nvcc", lambda: None)
-
-    def no_nvrtc():
-        raise toolchain.ToolchainError("libnvrtc could not be loaded; tried: (test)")
-
-    monkeypatch.setattr(toolchain, "load_nvrtc", no_nvrtc)
-    with pytest.raises(toolchain.ToolchainError, match="libnvrtc"):
+    monkeypatch.setattr(toolchain, "load_nvrtc", _no_nvrtc)
+    with pytest.raises(toolchain.ToolchainError, match="(?s)libnvrtc.*nvcc was not found"):
         toolchain.compile_kernel(GOOD, "scale_gelu", "sm_80")
+
+
+def test_auto_prefers_nvrtc_and_each_compiler_can_be_named():
+    _nvrtc_or_skip()
+    if toolchain.find_nvcc() is None:
+        pytest.skip("no nvcc here")
+    auto = toolchain.compile_kernel(GOOD, "scale_gelu", "sm_90a")
+    assert auto.cmd[0] == "nvrtc"
+    nvcc = toolchain.compile_kernel(GOOD, "scale_gelu", "sm_90a", compiler="nvcc")
+    assert nvcc.cmd[0] == str(toolchain.find_nvcc()) and nvcc.cubin[:4] == b"\x7fELF"
+    (job,) = toolchain.compile_many([toolchain.CompileJob(GOOD, "scale_gelu", "sm_90a",
+                                                          compiler="nvcc")])
+    assert job.cmd == nvcc.cmd
+    with pytest.raises(ValueError, match="unknown compiler 'clang'"):
+        toolchain.compile_kernel(GOOD, "scale_gelu", "sm_90a", compiler="clang")
+
+
+def test_auto_falls_back_to_nvcc_once_when_nvrtc_does_not_load(monkeypatch, caplog):
+    if toolchain.find_nvcc() is None:
+        pytest.skip("no nvcc here")
+    calls = []
+
+    def counted():
+        calls.append(1)
+        _no_nvrtc()
+
+    monkeypatch.setattr(toolchain, "load_nvrtc", counted)
+    with caplog.at_level(logging.INFO, logger="stitch_backend.toolchain"):
+        first = toolchain.compile_kernel(GOOD, "scale_gelu", "sm_90a")
+        toolchain.compile_kernel(GOOD + "// a second source\n", "scale_gelu", "sm_90a")
+    assert first.cmd[0] != "nvrtc" and len(calls) == 1
+    assert [r.message for r in caplog.records].count(
+        "libnvrtc did not load, generated kernels compile with nvcc "
+        "(libnvrtc could not be loaded; tried: (test))") == 1
+    with pytest.raises(toolchain.ToolchainError, match="libnvrtc"):
+        toolchain.compile_kernel(GOOD, "scale_gelu", "sm_90a", compiler="nvrtc")
 
 
 def test_import_is_side_effect_free():

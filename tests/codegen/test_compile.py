@@ -20,10 +20,18 @@ PER_UNIT = 14
 
 
 @pytest.mark.nvcc
-def test_every_case_compiles_for_sm90a():
+@pytest.mark.parametrize("compiler", ["nvcc", "nvrtc"])
+def test_every_case_compiles_for_sm90a(compiler):
+    """With both compilers: NVRTC is the default ("auto"), nvcc the fallback."""
+    if compiler == "nvrtc":
+        try:
+            toolchain.load_nvrtc()
+        except toolchain.ToolchainError as err:
+            pytest.skip(f"libnvrtc does not load here: {str(err).splitlines()[0]}")
     kernels = [generate(c.trace(), c.name) for c in CASES + BIG]
     units = [kernels[i:i + PER_UNIT] for i in range(0, len(kernels), PER_UNIT)]
-    jobs = [toolchain.CompileJob("\n".join(k.source for k in unit), f"codegen_unit{j}", "sm_90a")
+    jobs = [toolchain.CompileJob("\n".join(k.source for k in unit), f"codegen_unit{j}", "sm_90a",
+                                 compiler=compiler)
             for j, unit in enumerate(units)]
     results = toolchain.compile_many(jobs, max_workers=2)
     for unit, res in zip(units, results):

@@ -169,7 +169,8 @@ def test_compile_many_runs_in_parallel_and_keeps_errors_in_place(monkeypatch):
 
     monkeypatch.setattr(toolchain.subprocess, "run", counting_run)
     ops = ["sc_relu", "sc_sigmoid", "sc_mish", "no_such_helper"]
-    jobs = [toolchain.CompileJob(KERNEL.format(name=f"k_{i}", op=op), f"k_{i}", "sm_90a") for i, op in enumerate(ops)]
+    jobs = [toolchain.CompileJob(KERNEL.format(name=f"k_{i}", op=op), f"k_{i}", "sm_90a", compiler="nvcc")
+            for i, op in enumerate(ops)]
     t0 = time.perf_counter()
     results = toolchain.compile_many(jobs, max_workers=4)
     wall = time.perf_counter() - t0
