@@ -102,7 +102,7 @@ def bench(sm_count: int | None = None, iters: int = 50, long_rows: bool = False,
             print(f"{name:34s} {layout}: {err}")
             continue
         name = f"{name} [{kernel.emitted.layout or 'pointwise'}]"
-        cubin = toolchain.compile_cubin(kernel.source, kernel.entry, arch).cubin
+        cubin = toolchain.compile_kernel(kernel.source, kernel.entry, arch).cubin
         func = CudaModule(cubin).function(kernel.entry, kernel.signature)
         plan = kernel.prepare(inputs)
 
