@@ -87,6 +87,7 @@ class GraphRecord:
             "index": self.index, "stage": self.stage, "key": self.key.digest,
             "device": self.device, "dynamic": self.dynamic, "cached": self.cached,
             "compile_ms": round(self.compile_ms, 3), "notes": list(self.notes),
+            "verify_s": round(self.program.verify_s, 3) if self.program is not None else None,
             "runs_as_traced": self.runs_as_traced,
             "counts": self.plan.counts(),
             "memory": memory.to_dict() if memory is not None else None,

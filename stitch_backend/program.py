@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -82,6 +83,10 @@ class Program:
         # Symbolic-shape Programs re-verify their kernels on every new input shape.
         self.recheck_shapes = False
         self.verified_shapes: set[tuple] = set()
+        # Seconds the first call's verification took (the regions' ATen profile, every
+        # candidate judged, the end-to-end check, the cache write), summed over the shapes
+        # a symbolic-shape Program verified: the report's "verified in".
+        self.verify_s = 0.0
         self.notes_sink: list[str] = []  # the GraphRecord's notes, for late events
         # Input mutations taken out of the graph (mutations.py): the graph returns the new
         # values after its own outputs and each call writes them back.
@@ -272,6 +277,7 @@ class Program:
         in the regions' reasons, and the user still gets eager's result."""
         pending = dict(self.pending)
         self.verified_shapes.add(_shape_key(inputs))
+        t0 = time.perf_counter()
         try:
             with gc_pause.paused():
                 return self._verify(self, inputs)
@@ -285,6 +291,8 @@ class Program:
                     step.region.reason = f"verification failed: {type(err).__name__}: {err}"
             self.pending = {}
             return self.run_inputs(inputs)
+        finally:
+            self.verify_s += time.perf_counter() - t0
 
     def run_inputs(self, inputs: Sequence[Any],
                    observe: Callable[[Step, list[Any], Sequence[Any]], None] | None = None,

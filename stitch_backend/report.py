@@ -22,7 +22,9 @@ def render_text(records: Iterable[Any], *, dynamo_graphs: int | None = None,
         dyn = ", dynamic shapes" if rec.dynamic else ""
         lines.append(f"\n{rec.name}: {len(rec.plan.regions)} regions ({kinds}); "
                      f"{counts['generated']} generated; device {rec.device}{dyn}; "
-                     f"key {rec.key.short}; planned in {rec.compile_ms:.1f} ms")
+                     f"key {rec.key.short}; planned in {rec.compile_ms:.1f} ms"
+                     + (f"; verified in {rec.program.verify_s:.2f} s"
+                        if rec.program is not None and rec.program.verify_s else ""))
         if rec.runs_as_traced:
             lines.append("  runs as traced by Dynamo (eager, undecomposed): faster than "
                          "its stitched Program, which is set aside (see the notes)")

@@ -36,6 +36,9 @@ def test_second_compile_loads_from_cache():
     cold, _, _ = _compile_and_run(model, x)
     assert not any(r.cached for r in cold.records)
     assert len(Store().ls()) == len(cold.records)
+    # the first call's verification is timed, in the records and the report
+    assert all(r.program.verify_s > 0 and r.to_dict()["verify_s"] > 0 for r in cold.records)
+    assert cold.report().count("; verified in ") == len(cold.records)
     torch._dynamo.reset()
     warm, first, second = _compile_and_run(model, x)
     assert all(r.cached for r in warm.records)
