@@ -362,7 +362,7 @@ def compile_cubin(
 
 def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None,
                  on_done: Callable[[], None] | None = None) -> list[CompiledKernel | CompileError]:
-    """Compile ``jobs`` in parallel (threads running nvcc processes), results in job order;
+    """Compile ``jobs`` in parallel (threads: NVRTC in this process or nvcc processes, each job's ``compiler``), results in job order;
     ``on_done()`` is called as each job finishes (a progress bar).
 
     A job that fails to compile yields its ``CompileError`` in its slot instead of
@@ -383,7 +383,7 @@ def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None,
             if on_done is not None:
                 on_done()
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stitchcuda-nvcc") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stitchcuda-compile") as pool:
         return list(pool.map(one, jobs))
 
 
