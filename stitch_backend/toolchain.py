@@ -362,8 +362,9 @@ def compile_cubin(
 
 def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None,
                  on_done: Callable[[], None] | None = None) -> list[CompiledKernel | CompileError]:
-    """Compile ``jobs`` in parallel (threads: NVRTC in this process or nvcc processes, each job's ``compiler``), results in job order;
-    ``on_done()`` is called as each job finishes (a progress bar).
+    """Compile ``jobs`` in parallel (threads: NVRTC in this process, or nvcc processes, as
+    each job's ``compiler`` says), results in job order; ``on_done()`` is called as each
+    job finishes (a progress bar).
 
     A job that fails to compile yields its ``CompileError`` in its slot instead of
     raising, so one bad candidate does not hide the others. Any other error (nvcc
