@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx
 
 from stitch_backend import progress
@@ -82,6 +83,11 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             trajectory.attempts.append(Attempt("generate", cand, None))
         return out
     t0 = time.perf_counter()
+    if torch.cuda.is_available() and any(r.kind is RegionKind.GEMM for r in plan.regions):
+        # the cuBLASLt runtime (built once per machine) compiles beside the kernels
+        from stitch_backend.runtime import prebuild
+
+        prebuild(arch)
     # a library-only alternative (a cuBLASLt call, no generated kernel) compiles nothing
     alternatives = [a for c in proposals for a in c.alternatives if a.kernels]
     # and so does a library-only candidate of its own (a plain gemm's cuBLASLt call)

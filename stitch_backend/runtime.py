@@ -303,6 +303,24 @@ def load_runtime(arch: str | None = None) -> ctypes.CDLL:
         return lib
 
 
+def prebuild(arch: str | None = None) -> threading.Thread:
+    """Build and load the runtime in a background thread (a daemon), so that its nvcc
+    run (3.6 s on the CPU machine, 2026-12-07) overlaps a graph's kernel compiles
+    instead of following them at the first cuBLASLt call. A failure here is only logged
+    (DEBUG): the first real use builds again and raises it where it matters. Built
+    already: the thread only loads it."""
+
+    def build() -> None:
+        try:
+            load_runtime(arch)
+        except Exception as err:  # noqa: BLE001 - said again by the first real use
+            log.debug("background runtime build failed: %s: %s", type(err).__name__, err)
+
+    thread = threading.Thread(target=build, name="stitchcuda-runtime-build", daemon=True)
+    thread.start()
+    return thread
+
+
 # --------------------------------------------------------------------------- the matmul wrapper
 
 _DTYPES = {"torch.float32": 0, "torch.float16": 1, "torch.bfloat16": 2}

@@ -188,3 +188,30 @@ def test_compile_many_empty_and_memoised():
     job = toolchain.CompileJob(KERNEL.format(name="k", op="sc_relu"), "k", "sm_80")
     a, b = toolchain.compile_many([job, job], max_workers=1)
     assert a.cubin == b.cubin
+
+
+@pytest.mark.nvcc
+def test_prebuild_loads_the_built_runtime_in_the_background(built_runtime, monkeypatch):
+    """agents.loop starts it beside a graph's kernel compiles; later uses find it loaded."""
+    _, cache = built_runtime
+    monkeypatch.setenv("STITCHCUDA_CACHE_DIR", str(cache))
+    monkeypatch.setattr(runtime, "_lib", None)
+    thread = runtime.prebuild("sm_90a")
+    thread.join(timeout=60)
+    assert not thread.is_alive() and thread.daemon
+    lib = runtime._lib
+    assert lib is not None and lib.sc_lt_abi_version() == runtime.ABI_VERSION
+    assert runtime.load_runtime("sm_90a") is lib
+
+
+def test_prebuild_failure_is_only_logged_and_raised_at_first_use(monkeypatch, caplog):
+    def broken(arch=None, *, force=False):
+        raise runtime.RuntimeBuildError(["nvcc"], "no cuBLASLt here (test)")
+
+    monkeypatch.setattr(runtime, "_lib", None)
+    monkeypatch.setattr(runtime, "build_runtime", broken)
+    with caplog.at_level("DEBUG", logger="stitch_backend.runtime"):
+        runtime.prebuild("sm_90a").join(timeout=10)
+    assert any("background runtime build failed" in r.message for r in caplog.records)
+    with pytest.raises(runtime.RuntimeBuildError, match="no cuBLASLt here"):
+        runtime.load_runtime("sm_90a")
