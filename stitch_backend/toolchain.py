@@ -11,7 +11,8 @@ Why NVRTC first: it compiles in this process, so a kernel costs no nvcc process 
 (preprocessor, cudafe, cicc, ptxas as separate programs). On this project's CPU machine
 (2026-12-07, 2 cores, kernels of the codegen case table for sm_90a, one a compile):
 nvcc 0.63 s a kernel, NVRTC 0.12 s; 40 kernels took 3.84 s one after another through
-NVRTC and 1.94 s in 4 threads, the cubins byte-identical to the serial ones. ResNet18's
+NVRTC and 1.94 s in 4 threads, the cubins byte-identical to the serial ones (the
+NVRTC guide's "Thread Safety" note allows concurrent calls). ResNet18's
 two layouts' 56 kernels had taken 7.7 s of nvcc on the H100 (session 31).
 
 Every compile is memoised in-process by sha256(source, arch, flags, include dirs,
