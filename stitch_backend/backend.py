@@ -419,12 +419,16 @@ class StitchBackend:
 
         from . import artifacts
         from .kernels import InterpretedRunner, runner_for
-        from .toolchain import find_nvcc
+        from .toolchain import ToolchainError, resolve_compiler
 
         notes = record.notes
         interpreted = base is InterpretedRunner
-        if not interpreted and find_nvcc() is None:
-            why = "nvcc not found (set CUDA_HOME or put nvcc on PATH): region runs on ATen"
+        try:
+            if not interpreted:
+                resolve_compiler(self.config.compiler)
+        except ToolchainError as err:
+            why = (f"no kernel compiler for compiler={self.config.compiler!r} "
+                   f"({' '.join(str(err).split())}): region runs on ATen")
             notes.append(why)
             self._mark_aten(plan, why)
             return self._finish_uncompiled(gm, plan, record, slot)
