@@ -158,8 +158,8 @@ class Config:
         default="auto",
         metadata=_meta("STITCHCUDA_COMPILER", True,
                        "What compiles generated kernels: 'auto' (NVRTC when libnvrtc loads, "
-                       "else nvcc), 'nvrtc' or 'nvcc'. NVRTC compiles in this process, about "
-                       "5x faster a kernel than an nvcc process (toolchain.py)."),
+                       "else nvcc), 'nvrtc' or 'nvcc'. NVRTC compiles in this process, 2.3-5x "
+                       "faster a kernel than an nvcc process (toolchain.py)."),
     )
     compile_workers: int = field(
         default=0,

@@ -12,8 +12,9 @@ Why NVRTC first: it compiles in this process, so a kernel costs no nvcc process 
 (2026-12-07, 2 cores, kernels of the codegen case table for sm_90a, one a compile):
 nvcc 0.63 s a kernel, NVRTC 0.12 s; 40 kernels took 3.84 s one after another through
 NVRTC and 1.94 s in 4 threads, the cubins byte-identical to the serial ones (the
-NVRTC guide's "Thread Safety" note allows concurrent calls). ResNet18's
-two layouts' 56 kernels had taken 7.7 s of nvcc on the H100 (session 31).
+NVRTC guide's "Thread Safety" note allows concurrent calls). ResNet18's 18 kernels
+(its traced layout, ``python3 -m stitch_backend.bench.compile_speed``): NVRTC 0.26 s a
+kernel, nvcc 0.60 s; both layouts' 56 kernels had taken 7.7 s of nvcc on the H100.
 
 Every compile is memoised in-process by sha256(source, arch, flags, include dirs,
 compiler version, csrc headers), so compiling the same region twice costs nothing.
