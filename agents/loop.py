@@ -83,7 +83,7 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
             trajectory.attempts.append(Attempt("generate", cand, None))
         return out
     t0 = time.perf_counter()
-    if torch.cuda.is_available() and any(r.kind is RegionKind.GEMM for r in plan.regions):
+    if torch.cuda.is_available() and any(_calls_cublaslt(c) for c in proposals):
         # the cuBLASLt runtime (built once per machine) compiles beside the kernels
         from stitch_backend.runtime import prebuild
 
@@ -127,3 +127,21 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         out.candidates[cand.region_id] = cand
         trajectory.attempts.append(Attempt("generate", cand, None))
     return out
+
+
+# Where the candidates' cuBLASLt calls live (stitch_backend.lt_ops, lt_heads).
+_CUBLASLT_MODULES = ("stitch_backend.lt_ops", "stitch_backend.lt_heads")
+
+
+def _calls_cublaslt(cand: Candidate) -> bool:
+    """Whether ``cand`` or one of its alternatives has a stage that calls the cuBLASLt
+    runtime (so it will be loaded when the candidates are verified)."""
+    for choice in (cand, *cand.alternatives):
+        for stage in choice.stages or ():
+            graph = getattr(stage.module, "graph", None)
+            if graph is not None and any(
+                    n.op == "call_function"
+                    and getattr(n.target, "__module__", "") in _CUBLASLT_MODULES
+                    for n in graph.nodes):
+                return True
+    return False

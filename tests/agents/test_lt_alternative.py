@@ -427,3 +427,15 @@ def test_on_cuda_a_training_step_races_the_bias_gradient_call_and_keeps_eagers_g
     verified = [a for t in backend.trajectories for a in t.attempts
                 if a.action == "verify" and a.candidate.name.endswith("_bg")]
     assert verified and all(a.verdict.correct for a in verified), [a.verdict for a in verified]
+
+
+def test_the_runtime_prebuild_looks_for_a_cublaslt_stage():
+    """agents.loop starts the runtime's build beside the compiles only where a candidate
+    (or an alternative) has a stage calling it."""
+    import dataclasses
+
+    from stitch_backend.agents.loop import _calls_cublaslt
+
+    [(_, _, cand)] = _gemm_candidates(Linear(F.relu), torch.randn(8, 32))
+    assert _calls_cublaslt(cand)
+    assert not _calls_cublaslt(dataclasses.replace(cand, alternatives=[]))
