@@ -84,10 +84,11 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         return out
     t0 = time.perf_counter()
     if torch.cuda.is_available() and any(_calls_cublaslt(c) for c in proposals):
-        # the cuBLASLt runtime (built once per machine) compiles beside the kernels
+        # the cuBLASLt runtime (built once per machine) compiles beside the kernels, for
+        # the visible GPU's arch as its first use (lt_ops) would build it
         from stitch_backend.runtime import prebuild
 
-        prebuild(arch)
+        prebuild()
     # a library-only alternative (a cuBLASLt call, no generated kernel) compiles nothing
     alternatives = [a for c in proposals for a in c.alternatives if a.kernels]
     # and so does a library-only candidate of its own (a plain gemm's cuBLASLt call)

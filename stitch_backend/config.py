@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
+from . import toolchain
 from .exc import InvalidOptionError
 
 
@@ -328,8 +329,8 @@ def _parse(f: dataclasses.Field, value: Any, *, source: str) -> Any:
                 raise ValueError(f"expected a string, got {value!r}")
             if f.name == "coder" and value not in ("template", "template+llm"):
                 raise ValueError("expected 'template' or 'template+llm'")
-            if f.name == "compiler" and value not in ("auto", "nvrtc", "nvcc"):
-                raise ValueError("expected 'auto', 'nvrtc' or 'nvcc'")
+            if f.name == "compiler" and value not in toolchain.COMPILERS:
+                raise ValueError("expected one of " + ", ".join(map(repr, toolchain.COMPILERS)))
             return value
     except ValueError as err:
         raise InvalidOptionError(f"stitchcuda setting {f.name} from {source}: {err}") from None

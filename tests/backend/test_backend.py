@@ -68,6 +68,12 @@ def test_option_types_checked_and_env_read_in_config(monkeypatch):
     assert StitchBackend(options={"layout_race": True}).config.layout_race is True
     with pytest.raises(InvalidOptionError, match="expected a boolean"):
         StitchBackend(options={"layout_race": "sometimes"})
+    # the kernel compiler: NVRTC first by default, in the key (the cubins differ)
+    assert config.Config().compiler == "auto" and "compiler" in config.Config().code_options()
+    monkeypatch.setenv("STITCHCUDA_COMPILER", "nvcc")
+    assert config.Config.from_env().compiler == "nvcc"
+    with pytest.raises(InvalidOptionError, match="expected one of 'auto', 'nvrtc', 'nvcc'"):
+        StitchBackend(options={"compiler": "clang"})
 
 
 def test_dynamic_shapes_three_batch_sizes():
