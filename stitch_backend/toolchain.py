@@ -461,7 +461,21 @@ def _nvrtc_candidates() -> list[str]:
     if found:
         names.append(found)
     # builtins libraries are loaded by libnvrtc itself, never directly.
-    return [n for n in dict.fromkeys(names) if "builtins" not in n and "alt" not in os.path.basename(n)]
+    names = [n for n in dict.fromkeys(names) if "builtins" not in n and "alt" not in os.path.basename(n)]
+    # torch's own CUDA major first: its cubins then need no newer driver than torch does
+    # (a cu13 NVRTC wheel beside a CUDA 12 torch would otherwise be tried first).
+    major = _torch_cuda_major()
+    if major is not None:
+        names.sort(key=lambda n: not re.search(rf"libnvrtc\.so\.{major}(\.|$)", os.path.basename(n)))
+    return names
+
+
+def _torch_cuda_major() -> str | None:
+    """The CUDA major version torch was built with, when torch is already imported (this
+    module never imports it): "13" for torch's cu13 builds; None for a CPU build."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(getattr(torch, "version", None), "cuda", None)
+    return str(cuda).split(".")[0] if cuda else None
 
 
 def load_nvrtc() -> ctypes.CDLL:

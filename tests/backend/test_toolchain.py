@@ -280,3 +280,26 @@ def test_import_is_side_effect_free():
         "assert not logging.getLogger('stitch_backend.toolchain').handlers\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_nvrtc_candidates_put_torchs_cuda_major_first(tmp_path, monkeypatch):
+    import types
+
+    for wheel, so in (("cu12", "libnvrtc.so.12"), ("cu13", "libnvrtc.so.13"),
+                      ("cu13", "libnvrtc-builtins.so.13.0")):
+        lib = tmp_path / "nvidia" / wheel / "lib"
+        lib.mkdir(parents=True, exist_ok=True)
+        (lib / so).write_bytes(b"")
+    monkeypatch.setattr(toolchain, "_site_dirs", lambda: [str(tmp_path)])
+    monkeypatch.setattr(toolchain, "find_nvcc", lambda: None)
+    monkeypatch.setattr(toolchain, "_cuda_homes", lambda: [])
+    ours = [n for n in toolchain._nvrtc_candidates() if n.startswith(str(tmp_path))]
+    assert [n.split("/")[-3] for n in ours] == ["cu13", "cu12"]   # newest first, no builtins
+    fake_torch = types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.8"))
+    monkeypatch.setitem(sys.modules, "torch", fake_torch)
+    names = toolchain._nvrtc_candidates()
+    assert names[0].endswith("nvidia/cu12/lib/libnvrtc.so.12")
+    assert names.index("libnvrtc.so.12") < names.index("libnvrtc.so.13")
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(
+        version=types.SimpleNamespace(cuda=None)))   # a CPU build: the order as found
+    assert [n for n in toolchain._nvrtc_candidates() if n.startswith(str(tmp_path))] == ours
