@@ -22,8 +22,10 @@ from . import toolchain
 from .exc import InvalidOptionError
 
 
-def _meta(env: str | None, changes_code: bool, doc: str) -> dict[str, Any]:
-    return {"env": env, "changes_code": changes_code, "doc": doc}
+def _meta(env: str | None, changes_code: bool, doc: str,
+          choices: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A setting's metadata; ``choices``: a string setting's valid values."""
+    return {"env": env, "changes_code": changes_code, "doc": doc, "choices": choices}
 
 
 @dataclass
@@ -39,7 +41,8 @@ class Config:
     coder: str = field(
         default="template",
         metadata=_meta("STITCHCUDA_CODER", True,
-                       "'template' (offline, default) or 'template+llm' (adds LLM candidates)."),
+                       "'template' (offline, default) or 'template+llm' (adds LLM candidates).",
+                       choices=("template", "template+llm")),
     )
     verify: bool = field(
         default=True,
@@ -160,7 +163,8 @@ class Config:
         metadata=_meta("STITCHCUDA_COMPILER", True,
                        "What compiles generated kernels: 'auto' (NVRTC when libnvrtc loads, "
                        "else nvcc), 'nvrtc' or 'nvcc'. NVRTC compiles in this process, 2.3-5x "
-                       "faster a kernel than an nvcc process (toolchain.py)."),
+                       "faster a kernel than an nvcc process (toolchain.py).",
+                       choices=toolchain.COMPILERS),
     )
     compile_workers: int = field(
         default=0,
@@ -327,10 +331,9 @@ def _parse(f: dataclasses.Field, value: Any, *, source: str) -> Any:
                 return None
             if not isinstance(value, str):
                 raise ValueError(f"expected a string, got {value!r}")
-            if f.name == "coder" and value not in ("template", "template+llm"):
-                raise ValueError("expected 'template' or 'template+llm'")
-            if f.name == "compiler" and value not in toolchain.COMPILERS:
-                raise ValueError("expected one of " + ", ".join(map(repr, toolchain.COMPILERS)))
+            choices = f.metadata["choices"]
+            if choices is not None and value not in choices:
+                raise ValueError("expected one of " + ", ".join(map(repr, choices)))
             return value
     except ValueError as err:
         raise InvalidOptionError(f"stitchcuda setting {f.name} from {source}: {err}") from None

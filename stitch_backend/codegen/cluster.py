@@ -4,7 +4,9 @@ block's shared memory between the passes, and how the passes read it."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import sympy
 
@@ -69,11 +71,12 @@ def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int]
     again = sorted(read_again(used), key=repr)
     if not again:
         return None
+    share = _share(ir, vec)
     buffers, nbytes = {}, 0
     for ld in again:
         buffers[ld] = nbytes
         width = max(BYTES[k.ptr[ld.buf]], BYTES[compute_ctype(ld.dtype)])
-        nbytes += -(-_share(ir, vec) * width // 16) * 16
+        nbytes += -(-share * width // 16) * 16
     if nbytes > CLUSTER_SMEM:
         return None
     slots = {ld: f"sfk_rs{n}" for n, ld in enumerate(buffers)}
@@ -83,14 +86,22 @@ def cluster_rows_kept(k, ir: KernelIR, vec: int, vloads: dict, phases: list[int]
                     buffers, nbytes)
 
 
-def kept_scalars(em: ExprEmitter, kept, index: str, deps: set) -> None:
-    """The scalar path's kept loads for one pass: their values read from, or also
-    written to, ``slot[index]`` (the element's place in the block's share)."""
-    if not kept:
-        return
-    em.fills = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "fill"}
-    em.value_uses = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "use"}
-    em.override_deps = set(deps)
+@contextmanager
+def kept_scalars(em: ExprEmitter, kept, index: str, deps: set) -> Iterator[None]:
+    """While the scalar path emits one pass: its kept loads' values read from, or also
+    written to, ``slot[index]`` (the element's place in the block's share); the emitter
+    forgets them after."""
+    if kept:
+        em.fills = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items() if m == "fill"}
+        em.value_uses = {ld: f"{slot}[{index}]" for ld, (m, slot) in kept[1].items()
+                         if m == "use"}
+        em.override_deps = set(deps)
+    try:
+        yield
+    finally:
+        em.value_uses, em.fills = {}, {}
+        if kept:
+            em.override_deps = set()
 
 
 __all__ = ["CLUSTER", "CLUSTER_SMEM", "RowsKept", "cluster_rows_kept", "kept_scalars"]

@@ -428,9 +428,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             if vec > 1:
                 el = Scope(chunk, set(d.red_vars) | {sympy.Symbol("v")}, cind + "    ")
                 el.pre += k.delinearize("kk", list(d.red_vars), list(d.red_extents), cind + "    ")
-                kept_scalars(em, kept, "kk - kb", set(d.red_vars))
-                body(el)
-                em.value_uses, em.fills = {}, {}
+                with kept_scalars(em, kept, "kk - kb", set(d.red_vars)):
+                    body(el)
                 chunk.lines += [f"{cind}#pragma unroll", f"{cind}for (int v = 0; v < {vec}; ++v) {{",
                                 f"{cind}  const {IDX} kk = k0 + v;", f"{cind}  if (kk < {span[1]}) {{"]
                 chunk.lines += el.render()
@@ -438,9 +437,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 el = Scope(chunk, set(d.red_vars), cind)
                 el.pre += k.delinearize("k0", list(d.red_vars), list(d.red_extents), cind)
-                kept_scalars(em, kept, "k0 - kb", set(d.red_vars))
-                body(el)
-                em.value_uses, em.fills = {}, {}
+                with kept_scalars(em, kept, "k0 - kb", set(d.red_vars)):
+                    body(el)
                 chunk.lines += el.render()
         text += chunk.render()
         if persistent:
