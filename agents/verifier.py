@@ -66,15 +66,16 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerat
     constants, which a kernel may inline) kept. ``generator``: one generator (its device
     draws), or ``DeviceGenerators`` (each input drawn on its own device)."""
     out: list[Any] = []
+    drawn = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and i not in keep
+             and x.is_floating_point() and x.numel() > 0]
+    spread = dict(zip(drawn, _mean_std([inputs[i] for i in drawn])))
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor) or i in keep:
             out.append(x)
             continue
         gen = generator(x.device) if isinstance(generator, DeviceGenerators) else generator
-        if x.is_floating_point() and x.numel() > 0:
-            flat = x.detach().float()
-            mean = float(flat.mean()) if x.numel() else 0.0
-            std = float(flat.std()) if x.numel() > 1 else 1.0
+        if i in spread:
+            mean, std = spread[i]
             if not math.isfinite(std) or std == 0.0:
                 std = 1.0
             if not math.isfinite(mean):
@@ -96,16 +97,39 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerat
     return out
 
 
+def _mean_std(xs: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
+    """(mean, std) of each non-empty floating tensor of ``xs`` (std 1 for one element),
+    read back in one transfer per device: a draw used to wait on the GPU twice an input."""
+    stats = []
+    for x in xs:
+        flat = x.detach().float()
+        std = flat.std() if x.numel() > 1 else flat.new_ones(())
+        stats.append(torch.stack([flat.mean(), std]))
+    return _read_back(stats)
+
+
+def _read_back(stats: Sequence[torch.Tensor]) -> list[Any]:
+    """``stats[i].tolist()`` for each, with one device-to-host copy per device."""
+    out: list[Any] = [None] * len(stats)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(stats):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        for i, row in zip(idx, torch.stack([stats[i] for i in idx]).tolist()):
+            out[i] = tuple(row)
+    return out
+
+
 def _outputs_differ(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    stats = []          # (max |y|, max |x - y|) of each floating output, on its device
     for x, y in zip(a, b):
         if isinstance(x, torch.Tensor) and x.is_floating_point():
-            scale = float(y.abs().max()) if y.numel() else 0.0
-            if float((x - y).abs().max() if x.numel() else 0.0) > 1e-6 * max(scale, 1e-12):
-                return True
+            if x.numel():
+                stats.append(torch.stack([y.abs().max().float(), (x - y).abs().max().float()]))
         elif isinstance(x, torch.Tensor):
             if not torch.equal(x, y):
                 return True
-    return False
+    return any(d > 1e-6 * max(scale, 1e-12) for scale, d in _read_back(stats))
 
 
 def _poisoned(fn: Fn, inputs: Sequence[Any]) -> list[Any]:

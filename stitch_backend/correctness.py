@@ -181,6 +181,7 @@ def _compare_leaf(o: Any, e: Any, r: Any, *, factor: float, tol: float | None,
     for lo in range(0, fo.numel(), _CHUNK):
         hi = min(lo + _CHUNK, fo.numel())
         acc.add(fo[lo:hi], fe[lo:hi], fr[lo:hi].to(fo.device) if fr is not None else None, t)
+    acc.finish()
     ok_kb = acc.allclose
     max_abs = acc.max_abs
     norm, enorm = acc.norm_errors(usable=ro is not None)
@@ -206,9 +207,14 @@ _CHUNK = 1 << 24
 
 
 class _Accumulator:
-    """The comparison's statistics gathered chunk by chunk (same results as whole-tensor)."""
+    """The comparison's statistics gathered chunk by chunk (same results as whole-tensor).
+
+    Each chunk's statistics stay on the tensors' device until ``finish()``, which reads
+    them all back at once: one device synchronisation a leaf, not several a chunk (a
+    graph's verification compares thousands of leaves)."""
 
     def __init__(self) -> None:
+        self._parts: list[torch.Tensor] = []
         self.allclose = True
         self.max_abs = 0.0
         self.n_bad = 0
@@ -219,28 +225,43 @@ class _Accumulator:
         self.any_masked = False
 
     def add(self, o: torch.Tensor, e: torch.Tensor, r: torch.Tensor | None, t: float) -> None:
-        self.allclose &= bool(torch.allclose(o, e, atol=t, rtol=t))
         od, ed = o.double(), e.double()
         o_fin, e_fin = torch.isfinite(od), torch.isfinite(ed)
         same_nonfinite = (torch.isnan(od) & torch.isnan(ed)) | (torch.isinf(od) & (od == ed))
         both_fin = o_fin & e_fin
         absdiff = (od - ed).abs()
-        diff = torch.where(both_fin, absdiff, torch.zeros_like(od))
-        diff = torch.where(~both_fin & ~same_nonfinite, torch.full_like(od, math.inf), diff)
-        if diff.numel():
-            self.max_abs = max(self.max_abs, float(diff.max()))
-        self.n_bad += int((~o_fin & ~same_nonfinite).sum())
-        if e_fin.any():
-            self.within &= bool((absdiff <= t + t * ed.abs())[e_fin].all())
+        diff = torch.where(both_fin, absdiff, 0.0)
+        diff = torch.where(~both_fin & ~same_nonfinite, math.inf, diff)
+        stats = [
+            torch.isclose(o, e, rtol=t, atol=t).all(),          # torch.allclose, unsynced
+            _amax(diff),
+            (~o_fin & ~same_nonfinite).sum(),
+            torch.where(e_fin, absdiff <= t + t * ed.abs(), True).all(),
+        ]
         if r is not None:
             rd = r.double()
             mask = e_fin & torch.isfinite(rd) & o_fin
-            if mask.any():
-                self.any_masked = True
-                rm = rd[mask]
-                self.scale = max(self.scale, float(rm.abs().max()))
-                self.out_err = max(self.out_err, float((od[mask] - rm).abs().max()))
-                self.eager_err = max(self.eager_err, float((ed[mask] - rm).abs().max()))
+            stats += [mask.any(), _amax(torch.where(mask, rd.abs(), 0.0)),
+                      _amax(torch.where(mask, (od - rd).abs(), 0.0)),
+                      _amax(torch.where(mask, (ed - rd).abs(), 0.0))]
+        self._parts.append(torch.stack([s.double() for s in stats]))
+
+    def finish(self) -> None:
+        """Fold the chunks' statistics into the attributes (one read from the device)."""
+        if not self._parts:
+            return
+        rows = torch.stack(self._parts).cpu().tolist()
+        self._parts = []
+        cols = list(zip(*rows))
+        self.allclose &= all(cols[0])
+        self.max_abs = max(self.max_abs, *cols[1])
+        self.n_bad += int(sum(cols[2]))
+        self.within &= all(cols[3])
+        if len(cols) > 4:
+            self.any_masked |= any(cols[4])
+            self.scale = max(self.scale, *cols[5])
+            self.out_err = max(self.out_err, *cols[6])
+            self.eager_err = max(self.eager_err, *cols[7])
 
     def norm_errors(self, usable: bool) -> tuple[float, float]:
         if not usable:
@@ -249,6 +270,11 @@ class _Accumulator:
             return 0.0, 0.0
         scale = self.scale if self.scale > 0 else 1.0
         return self.out_err / scale, self.eager_err / scale
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """max of ``x`` (0 for an empty chunk), left on its device."""
+    return x.amax() if x.numel() else x.new_zeros(())
 
 
 def _stride_mismatch(o: torch.Tensor, e: torch.Tensor) -> str:
