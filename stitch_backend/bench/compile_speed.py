@@ -4,7 +4,8 @@
     python3 -P -m stitch_backend.bench.compile_speed DIR [--arch sm_90a] [--threads 0]
 
 Compiles every ``.cu`` in DIR with each compiler (``toolchain.COMPILERS`` less "auto"),
-first one after another, then through ``compile_many`` (``--threads`` 0: one per core),
+first one after another, then through ``compile_many`` (``--threads`` 0: one per core;
+NVRTC jobs go to at most ``nvrtc_pool.MAX_PROCESSES`` helper processes),
 the in-process memo cleared before each pass, and prints one line per pass. No GPU
 needed. What the backend pays for a graph's kernels is the ``compile_many`` line of the
 compiler ``toolchain.resolve_compiler()`` picks here.
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from stitch_backend import toolchain
+from stitch_backend import nvrtc_pool, toolchain
 
 
 def timed_passes(sources: dict[str, str], arch: str, threads: int) -> list[tuple[str, str, float]]:
@@ -43,8 +44,10 @@ def timed_passes(sources: dict[str, str], arch: str, threads: int) -> list[tuple
                 for name, src in sources.items()]
         t0 = time.perf_counter()
         results = toolchain.compile_many(jobs, max_workers=threads or None)
-        rows.append((compiler, f"compile_many, {threads or os.cpu_count()} threads",
-                     time.perf_counter() - t0))
+        workers = threads or os.cpu_count() or 1
+        how = (f"{min(workers, nvrtc_pool.MAX_PROCESSES, len(jobs))} helper processes"
+               if compiler == "nvrtc" and workers > 1 and len(jobs) > 1 else f"{workers} threads")
+        rows.append((compiler, f"compile_many, {how}", time.perf_counter() - t0))
         failed = [r for r in results if isinstance(r, toolchain.CompileError)]
         if failed:
             raise SystemExit(f"{compiler}: {len(failed)} source(s) failed to compile:\n"
