@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import gc_pause
+from . import alias_check, gc_pause
 from .ir import Plan, Region
 from .mutations import WriteBack, Writeback, split_outputs
 from .regions import region_module
@@ -104,6 +104,8 @@ class Program:
         # An instance attribute (not a class one) so that functools.wraps, which Dynamo
         # uses to wrap the backward, copies it and AOTAutograd keeps calling us boxed.
         self._boxed_call = True
+        # AOTAutograd's first-call aliasing check has nothing to look at (alias_check)
+        self._skip_alias_check = not alias_check.has_custom_ops(gm)
         implementations = implementations or {}
         slot: dict[str, int] = {}
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -245,7 +247,8 @@ class Program:
                 return self._verify_or_aten(inputs)
             return self.run_inputs(inputs)
 
-        outputs, why = judged(check, inputs, first)
+        with alias_check.set_aside(self._skip_alias_check):
+            outputs, why = judged(check, inputs, first)
         if why is not None:
             self.as_traced = check.traced
             self.use_aten(f"{why}: the graph runs as traced")
@@ -279,7 +282,7 @@ class Program:
         self.verified_shapes.add(_shape_key(inputs))
         t0 = time.perf_counter()
         try:
-            with gc_pause.paused():
+            with gc_pause.paused(), alias_check.set_aside(self._skip_alias_check):
                 return self._verify(self, inputs)
         except Exception as err:  # noqa: BLE001 - must not take the user's model down
             log.warning("stitchcuda: verification of %s failed (%s: %s); its regions stay on "
