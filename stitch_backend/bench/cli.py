@@ -72,7 +72,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --jobs N above the GPU count: tasks share GPUs and take turns on "
                         "them (references, checks, timing and stitchcuda's compile hold the "
                         "GPU; Inductor's compile overlaps others' work): faster runs, compile "
-                        "times measured under CPU contention; the summary says so")
+                        "times measured under CPU contention; the summary says so. A task "
+                        "that runs out of GPU memory beside the others runs again alone "
+                        "after them")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default: ./bench-out)")
     p.add_argument("--resume", action="store_true",
                    help="skip tasks already in OUT/results.jsonl with every requested backend")

@@ -358,11 +358,15 @@ def plan_slots(cfg: BenchConfig, turns: Path) -> list[Slot]:
     return out
 
 
+OUT_OF_MEMORY = "OutOfMemoryError"   # in a record's error: the task ran out of GPU memory
+
+
 def _run_slots(cfg: BenchConfig, todo: Sequence[ProblemRef],
                finished: Callable[[ProblemRef, list[BenchRecord]], None],
                slots: queue.SimpleQueue) -> None:
     lock = threading.Lock()
     stopping = threading.Event()
+    alone: list[tuple[ProblemRef, Slot]] = []   # out of memory beside others: run again
 
     def one(ref: ProblemRef) -> None:
         if stopping.is_set():
@@ -373,7 +377,13 @@ def _run_slots(cfg: BenchConfig, todo: Sequence[ProblemRef],
         finally:
             slots.put(slot)
         with lock:
-            if not stopping.is_set():  # a child killed by Ctrl-C is no result: --resume reruns it
+            if stopping.is_set():      # a child killed by Ctrl-C is no result: --resume reruns it
+                return
+            if slot.shared_by > 1 and any(OUT_OF_MEMORY in r.error for r in recs):
+                alone.append((ref, slot))
+                log.info("%s: out of GPU memory while sharing the GPU; it runs again alone "
+                         "after the others", ref.name)
+            else:
                 finished(ref, recs)
 
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.jobs)
@@ -389,6 +399,11 @@ def _run_slots(cfg: BenchConfig, todo: Sequence[ProblemRef],
         raise
     finally:
         pool.shutdown(wait=True)
+    # A shared GPU's memory is what the other tasks left free (their models, inputs and
+    # references stay allocated while they wait their turn): KernelBench L1's 6 GiB
+    # tensors ran out of memory beside two others on an 80 GiB H100.
+    for ref, slot in alone:
+        finished(ref, run_task_process(cfg, ref, _task_run_id(), Slot(gpu=slot.gpu)))
 
 
 def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:

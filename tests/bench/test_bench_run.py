@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import queue
 import stat
 import textwrap
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 
 from stitch_backend.bench import cli, runner
 from stitch_backend.bench.problems import ProblemRef
-from stitch_backend.bench.records import read_records
+from stitch_backend.bench.records import BenchRecord, read_records
 from stitch_backend.bench.timing import percentile, time_call
 from stitch_backend.bench.worker import TaskConfig, run_task
 from stitch_backend.examples import list_examples
@@ -489,3 +490,35 @@ def test_ctrl_c_ends_the_cli_with_a_resume_hint_not_a_traceback(tmp_path, monkey
     assert cli.run(_parse(["bench", "--suite", "examples", "--out", str(tmp_path)])) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "--resume" in err and str(tmp_path / "results.jsonl") in err
+
+
+def test_a_task_out_of_memory_beside_others_runs_again_alone_after_them(monkeypatch):
+    calls = []
+
+    def fake(cfg, ref, task_run, slot=runner.Slot()):
+        calls.append((ref.name, slot.shared_by, slot.turn_lock))
+        short = ref.name == "big" and slot.shared_by > 1
+        return [BenchRecord(task=ref.name, spec=ref.spec, backend="eager",
+                            status="error" if short else "ok", task_run=task_run,
+                            error="torch.OutOfMemoryError: CUDA out of memory" if short else "")]
+
+    monkeypatch.setattr(runner, "run_task_process", fake)
+    cfg = runner.BenchConfig(backends=["eager"], device="cuda", jobs=2, share_gpu=True)
+    slots = queue.SimpleQueue()
+    for _ in range(2):
+        slots.put(runner.Slot(gpu="0", turn_lock="/tmp/lock", shared_by=2))
+    done = []
+    refs = [ProblemRef(n, f"{n}.py") for n in ("a", "big", "c")]
+    runner._run_slots(cfg, refs, lambda ref, recs: done.append((ref.name, recs[0].status)), slots)
+    assert done[-1] == ("big", "ok") and sorted(done[:-1]) == [("a", "ok"), ("c", "ok")]
+    assert calls[-1] == ("big", 1, None)          # alone: its own GPU, no turns
+    # the same error with the GPU not shared is the task's result, not retried
+    calls.clear()
+    done.clear()
+    slots = queue.SimpleQueue()
+    slots.put(runner.Slot(gpu="0"))
+    monkeypatch.setattr(runner, "run_task_process", lambda cfg, ref, run, slot=runner.Slot(): [
+        BenchRecord(task=ref.name, spec=ref.spec, backend="eager", status="error",
+                    error="torch.OutOfMemoryError")])
+    runner._run_slots(cfg, refs[1:2], lambda ref, recs: done.append(ref.name), slots)
+    assert done == ["big"]
