@@ -64,7 +64,9 @@ def compile_jobs(jobs: Sequence[toolchain.CompileJob], workers: int,
         return results
     lib_path = toolchain.load_nvrtc()._name
     lock = threading.Lock()
-    queue = list(reversed(todo))
+    # longest sources first (popped from the end): a long kernel started last would
+    # finish alone while the other processes sit idle
+    queue = sorted(todo, key=lambda item: len(jobs[item[0]].source))
     errors: list[BaseException] = []
 
     def take() -> tuple[int, str, str, list[str]] | None:

@@ -110,3 +110,19 @@ def test_the_helper_imports_neither_torch_nor_the_working_directory(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, lib], cwd=tmp_path, env=nvrtc_pool.helper_env(),
                          capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", nvrtc_pool.__file__]
+
+
+def test_the_longest_sources_go_first(monkeypatch):
+    order = []
+    real = nvrtc_pool._Worker.compile
+
+    def spy(self, source, name, arch, options):
+        order.append(name)
+        return real(self, source, name, arch, options)
+
+    monkeypatch.setattr(nvrtc_pool._Worker, "compile", spy)
+    monkeypatch.setattr(nvrtc_pool, "MAX_PROCESSES", 1)
+    jobs = [toolchain.CompileJob(KERNEL.format(name=f"k{i}", k=i) + "//" + "x" * (100 * i), f"k{i}",
+                                 "sm_90a", compiler="nvrtc") for i in (1, 3, 0, 2)]
+    got = toolchain.compile_many(jobs, max_workers=4)
+    assert order == ["k3", "k2", "k1", "k0"] and [k.name for k in got] == ["k1", "k3", "k0", "k2"]
