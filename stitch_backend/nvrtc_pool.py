@@ -140,9 +140,10 @@ class _Worker:
         self.lib_path = lib_path
 
     def __enter__(self) -> "_Worker":
+        if not sys.executable or getattr(sys, "frozen", False):
+            raise WorkerError("no Python interpreter to start (sys.executable is empty, or "
+                              "this is a frozen application)")
         self.stderr = tempfile.TemporaryFile()
-        if not sys.executable:
-            raise WorkerError("no Python executable (sys.executable is empty)")
         try:
             self.proc = subprocess.Popen(command(self.lib_path), stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=self.stderr, env=helper_env())

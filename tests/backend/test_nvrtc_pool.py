@@ -90,6 +90,15 @@ def test_helpers_that_cannot_serve_leave_the_jobs_to_threads(monkeypatch, caplog
     assert re.search(why, warned[0]), warned[0]
 
 
+def test_a_frozen_application_compiles_in_threads(monkeypatch, caplog):
+    monkeypatch.setattr(sys, "frozen", True, raising=False)    # sys.executable: the app
+    monkeypatch.setattr(nvrtc_pool, "command", lambda lib: pytest.fail("started a helper"))
+    with caplog.at_level(logging.WARNING, logger="stitch_backend.nvrtc_pool"):
+        got = toolchain.compile_many(_jobs(2), max_workers=2)
+    assert all(isinstance(k, toolchain.CompiledKernel) for k in got)
+    assert "frozen application" in caplog.text
+
+
 def test_one_job_or_one_worker_compiles_here(monkeypatch):
     def refuse(lib):
         raise AssertionError("no helper for a single job or a single worker")
