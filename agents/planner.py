@@ -156,7 +156,32 @@ def partition(gm: torch.fx.GraphModule, graph_name: str = "graph", *,
         if not fused:
             return _sibling_target(node, producers)
         target = max(fused)
-        return target if max(producers) <= target else None
+        if max(producers) > target:
+            return None
+        host = _root_host(node, producers, fused)
+        return target if host is None else host
+
+    def _root_host(node: torch.fx.Node, producers: list[int], fused: list[int]) -> int | None:
+        """Where ``node`` reads the newest region, of ops on graph inputs alone (a
+        cross entropy's ``target != ignore_index``), and an older fused region (its
+        log_softmax): the newest folds into the older one, which ``node`` then joins.
+        Its ops need nothing the older region lacks, so they may run there; without
+        this, the log_softmax is stored whole for a gather to read one value a row."""
+        last = len(regions) - 1
+        if classify(node) is OpClass.VIEW or fused.count(last) == len(fused) \
+                or max(fused) != last or not _reads_inputs_only(regions[last]):
+            return None
+        host = max(p for p in fused if p != last)
+        if max(p for p in producers if p != last) > host:
+            return None
+        nonlocal current
+        absorbed = regions.pop()
+        for n in absorbed.nodes:
+            region_of[n] = host
+        regions[host].nodes += absorbed.nodes
+        if current is absorbed:
+            current = regions[host]
+        return host
 
     def _sibling_target(node: torch.fx.Node, producers: list[int]) -> int | None:
         """The latest fused region that ``node`` can run beside (``siblings.may_join``):
@@ -383,6 +408,16 @@ def _same_layout(a, b) -> bool:
 
 # Regions merged into one kernel by _merge_input_only, at most (two pointers each).
 MERGE_LIMIT = 64
+
+
+def _reads_inputs_only(region: _Open) -> bool:
+    """Whether ``region`` is fused pointwise work (views and factories too) on graph
+    inputs and its own values alone."""
+    members = set(region.nodes)
+    return region.kind is RegionKind.FUSED and bool(region.nodes) and all(
+        classify(n) in (OpClass.POINTWISE, OpClass.FACTORY, OpClass.VIEW)
+        and all(a in members or a.op in ("placeholder", "get_attr") for a in n.all_input_nodes)
+        for n in region.nodes)
 
 
 def _merge_input_only(regions: list[_Open]) -> None:

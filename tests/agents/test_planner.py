@@ -269,3 +269,58 @@ def test_a_node_reading_a_view_and_a_view_of_it_is_planned():
     plan = partition(gm, graph_name="g")
     check_plan(gm, plan)
     assert [r.kind for r in plan.regions] == [RegionKind.FUSED]
+
+
+class _CrossEntropy(torch.nn.Module):
+    def forward(self, logits, target):
+        return F.cross_entropy(logits, target)
+
+
+class _RolledNorm(torch.nn.Module):
+    """SwinV2's cyclic shift of a layer norm's output (torch.roll: index_select over an
+    arange computed from nothing but constants)."""
+
+    def forward(self, x, w, b):
+        return torch.roll(F.layer_norm(x, (16,), w, b) + x, shifts=(2, 3), dims=(1, 2))
+
+
+def _plan_of(model, inputs):
+    backend = StitchBackend(options={"codegen": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*inputs)
+    (rec,) = backend.records
+    check_plan(rec.gm, rec.plan)
+    return rec.plan
+
+
+def test_a_gather_from_a_log_softmax_stays_in_its_region():
+    # the target's ignore_index test (an op on a graph input alone) opened a region
+    # between them, so the log_softmax was stored whole for the gather to read one value
+    # a row; it folds into the log_softmax's region now
+    plan = _plan_of(_CrossEntropy(), [torch.randn(8, 40), torch.randint(0, 40, (8,))])
+    (host,) = [r for r in plan.regions if "aten._log_softmax.default" in r.ops]
+    assert {"aten.gather.default", "aten.ne.Scalar", "aten.neg.default"} <= set(host.ops), host.ops
+    assert len(plan.regions) == 2 and all(r.kind is RegionKind.FUSED for r in plan.regions)
+
+
+def test_a_roll_after_a_norm_is_one_region():
+    x = torch.randn(2, 6, 6, 16)
+    plan = _plan_of(_RolledNorm(), [x, torch.randn(16), torch.randn(16)])
+    (host,) = [r for r in plan.regions if "aten.native_layer_norm.default" in r.ops]
+    assert host.ops.count("aten.index_select.default") == 2, [r.ops for r in plan.regions]
+
+
+def test_the_folded_regions_run_generated_kernels_with_eagers_results():
+    cases = [(_CrossEntropy(), [torch.randn(8, 40), torch.randint(0, 40, (8,))], "aten.gather.default"),
+             (_RolledNorm(), [torch.randn(2, 6, 6, 16), torch.randn(16), torch.randn(16)],
+              "aten.index_select.default")]
+    for model, inputs, op in cases:
+        torch._dynamo.reset()
+        backend = StitchBackend(options={"cpu_interpret": True, "cache": False,
+                                         "require_speedup": False})
+        with torch.no_grad():
+            got = torch.compile(model, backend=backend)(*inputs)
+            torch.testing.assert_close(got, model(*inputs), atol=1e-5, rtol=1e-5)
+        (rec,) = backend.records
+        (host,) = [r for r in rec.plan.regions if op in r.ops]
+        assert host.backend == "kernel", (host.ops, host.reason)
