@@ -59,6 +59,7 @@ def compile_jobs(jobs: Sequence[toolchain.CompileJob], workers: int,
             results[i] = hit
             _tick(on_done)
         else:
+            toolchain._log_source(job.name, job.arch, job.source)   # as compile_nvrtc does
             todo.append((i, key, job.name, options))
     if not todo:
         return results

@@ -63,6 +63,13 @@ def test_helpers_give_the_in_process_cubins_and_fill_the_memo(monkeypatch):
     assert started == [] and [k.cubin for k in again] == [k.cubin for k in want]
 
 
+def test_sources_are_logged_when_asked_as_in_process(caplog):
+    with caplog.at_level(logging.DEBUG, logger="stitch_backend.output_code"):
+        toolchain.compile_many(_jobs(2), max_workers=2)
+    code = [r.getMessage() for r in caplog.records if r.name == "stitch_backend.output_code"]
+    assert len(code) == 2 and all("sc_gelu_erf" in c for c in code)
+
+
 def test_a_compile_error_stays_in_its_slot():
     jobs = [_jobs(1)[0], toolchain.CompileJob(BAD, "broken", "sm_90a", compiler="nvrtc"), _jobs(2)[1]]
     got = toolchain.compile_many(jobs, max_workers=3)
