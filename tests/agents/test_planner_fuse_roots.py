@@ -121,16 +121,18 @@ def test_auto_fuses_roots_in_backward_graphs_only_and_keeps_eagers_gradients():
         xc = x.clone().requires_grad_()
         compiled(xc).square().sum().backward()
         counts[fuse_roots] = {r.stage: r.plan.counts()["fused"] for r in backend.records}
-        if fuse_roots is None:
-            xr = x.clone().requires_grad_()
-            ref(xr).square().sum().backward()
-            torch.testing.assert_close(xc.grad, xr.grad, atol=1e-4, rtol=1e-4)
-            for p, q in zip(model.parameters(), ref.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)
-            (bw,) = [r for r in backend.records if r.stage == "backward"]
-            assert bw.plan.counts()["generated"] == 1, [r.reason for r in bw.plan.regions]
+        xr = x.clone().requires_grad_()
+        ref(xr).square().sum().backward()
+        torch.testing.assert_close(xc.grad, xr.grad, atol=1e-4, rtol=1e-4)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4)
+        (bw,) = [r for r in backend.records if r.stage == "backward"]
+        assert bw.plan.counts()["generated"] == 1, [r.reason for r in bw.plan.regions]
         model.zero_grad()
+        ref.zero_grad()
         torch._dynamo.reset()
     assert counts[None]["forward"] == counts[False]["forward"]
-    # without deferred roots, sibling fusion over shared graph inputs joins some of them
-    assert counts[False]["backward"] >= 3 and counts[None]["backward"] == 1, counts
+    # without deferred roots, the Planner's root-host rule (an op reading an older fused
+    # region and a newest one of ops on graph inputs alone folds the newest into the
+    # older) now reaches the same single region here; before it, sibling fusion left 3
+    assert counts[None]["backward"] == 1 and counts[False]["backward"] == 1, counts
