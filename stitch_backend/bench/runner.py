@@ -381,8 +381,8 @@ def _run_slots(cfg: BenchConfig, todo: Sequence[ProblemRef],
                 return
             if slot.shared_by > 1 and any(OUT_OF_MEMORY in r.error for r in recs):
                 alone.append((ref, slot))
-                log.info("%s: out of GPU memory while sharing the GPU; it runs again alone "
-                         "after the others", ref.name)
+                log.warning("%s: out of GPU memory while sharing the GPU; it runs again alone "
+                            "after the others", ref.name)
             else:
                 finished(ref, recs)
 

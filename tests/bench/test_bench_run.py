@@ -492,7 +492,7 @@ def test_ctrl_c_ends_the_cli_with_a_resume_hint_not_a_traceback(tmp_path, monkey
     assert "interrupted" in err and "--resume" in err and str(tmp_path / "results.jsonl") in err
 
 
-def test_a_task_out_of_memory_beside_others_runs_again_alone_after_them(monkeypatch):
+def test_a_task_out_of_memory_beside_others_runs_again_alone_after_them(monkeypatch, caplog):
     calls = []
 
     def fake(cfg, ref, task_run, slot=runner.Slot()):
@@ -512,6 +512,7 @@ def test_a_task_out_of_memory_beside_others_runs_again_alone_after_them(monkeypa
     runner._run_slots(cfg, refs, lambda ref, recs: done.append((ref.name, recs[0].status)), slots)
     assert done[-1] == ("big", "ok") and sorted(done[:-1]) == [("a", "ok"), ("c", "ok")]
     assert calls[-1] == ("big", 1, None)          # alone: its own GPU, no turns
+    assert "big: out of GPU memory while sharing the GPU; it runs again alone" in caplog.text
     # the same error with the GPU not shared is the task's result, not retried
     calls.clear()
     done.clear()
