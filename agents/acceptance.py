@@ -89,8 +89,10 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
         best: tuple[Any, Verdict] | None = None
         own: Verdict | None = None
         others: list[str] = []
+        judged: list[tuple[Any, Verdict]] = []
         for choice in [cand, *cand.alternatives]:
             runner, verdict = _judge(choice, step, step_inputs, outs, verifier, make_runner)
+            judged.append((choice, verdict))
             if trajectory is not None:
                 trajectory.attempts.append(Attempt("verify", choice, verdict))
             if choice is cand:
@@ -101,6 +103,8 @@ def verify_first_call(program: Program, inputs: list[Any], *, verifier: Verifier
                 best = (runner, verdict)
         if best is not None:
             accepted[step.region.id], verdicts[step.region.id] = best
+            if len(judged) > 1:
+                program.notes_sink.append(_race_note(step.region.name, judged, best[1]))
         else:
             assert own is not None
             if others:
@@ -270,6 +274,18 @@ def _first_run_elsewhere(cand: Candidate, inputs: list[Any],
     run = first_run(cand, inputs, eager_outs,
                     timeout_s=float(config_mod.current().llm_sandbox_timeout_s))
     return None if run.ok else f"first run in a child process: {run.reason}"
+
+
+def _race_note(region: str, judged: list[tuple[Any, Verdict]], won: Verdict) -> str:
+    """One line on a region whose candidates raced: which kernel won, and each other one's
+    time (correct but not faster) or why it was rejected."""
+    def ms(v: Verdict) -> str:
+        return f"{v.candidate_ms:.4f} ms" if v.candidate_ms is not None else "untimed"
+
+    winner = next(c for c, v in judged if v is won)
+    lost = [f"{c.name} {'correct, ' + ms(v) if v.ok else 'rejected: ' + v.reason}"
+            for c, v in judged if v is not won]
+    return f"{region}: {winner.name} kept ({ms(won)}); " + "; ".join(lost)
 
 
 def _faster(a: Verdict, b: Verdict) -> bool:

@@ -255,6 +255,10 @@ def test_pipeline_with_split_stats_gives_eager_results():
     verified = [a for t in backend.trajectories for a in t.attempts
                 if a.action == "verify" and a.candidate.name.endswith("_split")]
     assert verified and all(a.verdict.ok for a in verified), [a.verdict for a in verified]
+    # the race is told in the notes: which kernel was kept, and how each other one fared
+    # (untimed on the CPU: the first correct one is kept)
+    raced = [n for n in backend.records[0].notes if " kept (" in n]
+    assert raced and all("_split correct, untimed" in n for n in raced), raced
 
 
 @pytest.mark.nvcc
