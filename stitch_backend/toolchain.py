@@ -7,8 +7,9 @@ cold (the torch headers); ``nvcc -cubin`` of a small fused kernel took 0.7 s and
 (always on the include path), compiled for one arch (``sm_90a`` on H200) and launched
 with the driver API (see ``cuda_driver.py``).
 
-Why NVRTC first: it compiles in this process, so a kernel costs no nvcc process chain
-(preprocessor, cudafe, cicc, ptxas as separate programs). On this project's CPU machine
+Why NVRTC first: a kernel costs no nvcc process chain (preprocessor, cudafe, cicc, ptxas
+as separate programs). A batch compiles in helper processes (``nvrtc_pool``: libnvrtc
+13.0 serialises a process's threads on the H100 machine). On this project's CPU machine
 (2026-12-07, 2 cores, kernels of the codegen case table for sm_90a, one a compile):
 nvcc 0.63 s a kernel, NVRTC 0.12 s; 40 kernels took 3.84 s one after another through
 NVRTC and 1.94 s in 4 threads, the cubins byte-identical to the serial ones (the
@@ -41,6 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Sequence
 
+from stitch_backend.compile_types import (LOG_LINES_IN_STR, CompiledKernel, CompileError,
+                                          CompileJob, ToolchainError)
+
 log = logging.getLogger("stitch_backend.toolchain")
 output_code_log = logging.getLogger("stitch_backend.output_code")
 
@@ -48,6 +52,7 @@ __all__ = [
     "CompileError",
     "CompileJob",
     "CompiledKernel",
+    "LOG_LINES_IN_STR",
     "ToolchainError",
     "arch_flag",
     "clear_memo",
@@ -71,64 +76,10 @@ NVCC_BASE_FLAGS: tuple[str, ...] = ("-cubin", "-O3", "-std=c++17", "-lineinfo")
 NVRTC_BASE_FLAGS: tuple[str, ...] = ("-std=c++17", "-lineinfo")
 # The ``compiler`` setting's values: "auto" is NVRTC when libnvrtc loads, else nvcc.
 COMPILERS: tuple[str, ...] = ("auto", "nvrtc", "nvcc")
-LOG_LINES_IN_STR = 40
 
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
 # Where nvcc usually lives when neither $CUDA_HOME nor PATH names it.
 FALLBACK_NVCC_PATHS: tuple[Path, ...] = (Path("/usr/local/cuda/bin/nvcc"),)
-
-
-# --------------------------------------------------------------------------- errors, results
-
-
-class ToolchainError(RuntimeError):
-    """No compiler could be found or loaded (the message says where we looked)."""
-
-
-class CompileError(RuntimeError):
-    """A compile failed. Carries the command, the full compiler log and the source file."""
-
-    def __init__(self, cmd: Sequence[str], log: str, source_path: Path | str | None):
-        self.cmd = list(cmd)
-        self.log = log
-        self.source_path = Path(source_path) if source_path is not None else None
-        super().__init__(self._render())
-
-    def _render(self) -> str:
-        lines = self.log.splitlines()
-        shown = "\n".join(lines[:LOG_LINES_IN_STR])
-        more = f"\n... ({len(lines) - LOG_LINES_IN_STR} more lines)" if len(lines) > LOG_LINES_IN_STR else ""
-        return (
-            f"CUDA compile failed\n  command: {' '.join(self.cmd)}\n  source: {self.source_path}\n"
-            f"  log:\n{shown}{more}"
-        )
-
-    def __reduce__(self):  # picklable across process pools
-        return (CompileError, (self.cmd, self.log, self.source_path))
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledKernel:
-    """A cubin for one arch. ``name`` is the extern "C" kernel to look up in it."""
-
-    name: str
-    arch: str
-    cubin: bytes
-    log: str
-    seconds: float
-    cmd: list[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileJob:
-    """One unit of work for ``compile_many``."""
-
-    source: str
-    name: str
-    arch: str
-    include_dirs: tuple[str | Path, ...] = ()
-    extra_flags: tuple[str, ...] = ()
-    compiler: str = "auto"   # one of COMPILERS
 
 
 # --------------------------------------------------------------------------- discovery
