@@ -410,12 +410,14 @@ def _same_layout(a, b) -> bool:
 MERGE_LIMIT = 64
 
 
-def _reads_inputs_only(region: _Open) -> bool:
-    """Whether ``region`` is fused pointwise work (views and factories too) on graph
-    inputs and its own values alone."""
+def _reads_inputs_only(region: _Open,
+                       classes: tuple[OpClass, ...] = (OpClass.POINTWISE, OpClass.FACTORY,
+                                                       OpClass.VIEW)) -> bool:
+    """Whether ``region`` is fused work of ``classes`` (default: pointwise, views and
+    factories) on graph inputs and its own values alone."""
     members = set(region.nodes)
     return region.kind is RegionKind.FUSED and bool(region.nodes) and all(
-        classify(n) in (OpClass.POINTWISE, OpClass.FACTORY, OpClass.VIEW)
+        classify(n) in classes
         and all(a in members or a.op in ("placeholder", "get_attr") for a in n.all_input_nodes)
         for n in region.nodes)
 
@@ -446,16 +448,13 @@ def _merge_input_only(regions: list[_Open]) -> None:
 
 def _input_only_key(region: _Open) -> tuple | None:
     """(shape, device) of a region ``_merge_input_only`` may merge, else None."""
-    if region.kind is not RegionKind.FUSED or not region.nodes:
+    if not _reads_inputs_only(region, (OpClass.POINTWISE,)):
         return None
     members = set(region.nodes)
     shapes = set()
     for node in region.nodes:
         val = node.meta.get("val")
-        if classify(node) is not OpClass.POINTWISE or not isinstance(val, torch.Tensor):
-            return None
-        if any(a not in members and a.op not in ("placeholder", "get_attr")
-               for a in node.all_input_nodes):
+        if not isinstance(val, torch.Tensor):
             return None
         if any(u not in members and u.op != "output" for u in node.users):
             return None

@@ -59,16 +59,17 @@ class DeviceGenerators:
 
 def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerators,
                scale: float = 1.0, negative: bool = False,
-               keep: Collection[int] = ()) -> list[Any]:
+               keep: Collection[int] = (),
+               spread: dict[int, tuple[float, float]] | None = None) -> list[Any]:
     """Inputs of the same metas: floats redrawn around the real values' mean and spread
     (times ``scale``; all negative with ``negative``), integers and bools shuffled (so
     indices stay valid), scalars and the inputs at positions ``keep`` (the graph's
     constants, which a kernel may inline) kept. ``generator``: one generator (its device
-    draws), or ``DeviceGenerators`` (each input drawn on its own device)."""
+    draws), or ``DeviceGenerators`` (each input drawn on its own device). ``spread``:
+    ``input_spread(inputs, keep)``, computed once for many draws of the same inputs."""
     out: list[Any] = []
-    drawn = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and i not in keep
-             and x.is_floating_point() and x.numel() > 0]
-    spread = dict(zip(drawn, _mean_std([inputs[i] for i in drawn])))
+    if spread is None:
+        spread = input_spread(inputs, keep)
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor) or i in keep:
             out.append(x)
@@ -95,6 +96,15 @@ def fresh_draw(inputs: Sequence[Any], generator: torch.Generator | DeviceGenerat
         else:
             out.append(x.clone())
     return out
+
+
+def input_spread(inputs: Sequence[Any], keep: Collection[int] = ()
+                 ) -> dict[int, tuple[float, float]]:
+    """(mean, std) of each non-empty floating input not in ``keep``, by position: what
+    ``fresh_draw`` draws around."""
+    drawn = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and i not in keep
+             and x.is_floating_point() and x.numel() > 0]
+    return dict(zip(drawn, _mean_std([inputs[i] for i in drawn])))
 
 
 def _mean_std(xs: Sequence[torch.Tensor]) -> list[tuple[float, float]]:
@@ -198,11 +208,13 @@ class Verifier:
             return judge(d, ref)
 
         failed = judge(list(inputs), ref0)
+        spread = input_spread(inputs, keep)     # the same inputs for every draw
         for _ in range(s.draws):
-            failed = failed or draw_and_judge(lambda: fresh_draw(inputs, gen, keep=keep))
+            failed = failed or draw_and_judge(lambda: fresh_draw(inputs, gen, keep=keep,
+                                                                 spread=spread))
         if not differ and not failed:
-            wide = [lambda: fresh_draw(inputs, gen, scale=10.0, keep=keep),
-                    lambda: fresh_draw(inputs, gen, negative=True, keep=keep)]
+            wide = [lambda: fresh_draw(inputs, gen, scale=10.0, keep=keep, spread=spread),
+                    lambda: fresh_draw(inputs, gen, negative=True, keep=keep, spread=spread)]
             for make in wide[: max(s.wide_draws, 0)]:
                 failed = failed or draw_and_judge(make)
         if failed is not None:

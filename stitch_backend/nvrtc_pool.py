@@ -45,6 +45,12 @@ class WorkerError(RuntimeError):
     """A helper process did not start, or stopped answering (its stderr in the message)."""
 
 
+def helpers(workers: int, jobs: int) -> int:
+    """How many helper processes ``compile_many`` gives ``jobs`` NVRTC jobs with
+    ``workers`` workers (0: it compiles them in this process)."""
+    return min(workers, MAX_PROCESSES, jobs) if workers > 1 and jobs > 1 else 0
+
+
 def compile_jobs(jobs: Sequence[toolchain.CompileJob], workers: int,
                  on_done: Callable[[], None] | None = None) -> list[Any]:
     """Compile NVRTC ``jobs`` in up to ``min(workers, MAX_PROCESSES)`` helper processes;
@@ -95,7 +101,7 @@ def compile_jobs(jobs: Sequence[toolchain.CompileJob], workers: int,
             with lock:
                 errors.append(err)
 
-    n = max(1, min(workers, MAX_PROCESSES, len(todo)))
+    n = max(1, helpers(workers, len(todo)))
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="stitchcuda-nvrtc-pool") as pool:
         for fut in [pool.submit(drive) for _ in range(n)]:
             fut.result()

@@ -327,11 +327,11 @@ def compile_many(jobs: Sequence[CompileJob], max_workers: int | None = None,
     workers = max(1, min(max_workers or os.cpu_count() or 1, len(jobs) or 1))
     results: list[CompiledKernel | CompileError | None] = [None] * len(jobs)
     nvrtc = [i for i, job in enumerate(jobs) if resolve_compiler(job.compiler) == "nvrtc"]
-    if workers > 1 and len(nvrtc) > 1:
+    from stitch_backend import nvrtc_pool
+
+    if nvrtc_pool.helpers(workers, len(nvrtc)):
         # NVRTC 13.0 serialises its threads (16 threads compiled 36 kernels no faster than
         # 2 on the H100 machine); helper processes compile them 4x faster there
-        from stitch_backend import nvrtc_pool
-
         done = nvrtc_pool.compile_jobs([jobs[i] for i in nvrtc], workers, on_done)
         for i, res in zip(nvrtc, done):
             results[i] = res

@@ -45,8 +45,8 @@ def timed_passes(sources: dict[str, str], arch: str, threads: int) -> list[tuple
         t0 = time.perf_counter()
         results = toolchain.compile_many(jobs, max_workers=threads or None)
         workers = threads or os.cpu_count() or 1
-        how = (f"{min(workers, nvrtc_pool.MAX_PROCESSES, len(jobs))} helper processes"
-               if compiler == "nvrtc" and workers > 1 and len(jobs) > 1 else f"{workers} threads")
+        procs = nvrtc_pool.helpers(workers, len(jobs)) if compiler == "nvrtc" else 0
+        how = f"{procs} helper processes" if procs else f"{workers} threads"
         rows.append((compiler, f"compile_many, {how}", time.perf_counter() - t0))
         failed = [r for r in results if isinstance(r, toolchain.CompileError)]
         if failed:
