@@ -16,9 +16,11 @@ pack, a lock and one foreign call (``measure_launch_overhead`` reports it).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import struct
+import sys
 import threading
 import time
 from typing import Sequence
@@ -29,6 +31,7 @@ __all__ = [
     "CudaDriverError",
     "CudaFunction",
     "CudaModule",
+    "capturing",
     "ensure_context",
     "measure_launch_overhead",
     "SIGNATURE_CODES",
@@ -205,6 +208,60 @@ class _ArgPacker:
             raise ValueError(f"arguments {tuple(args)!r} do not fit signature {self.signature!r}: {e}") from None
 
 
+# --------------------------------------------------------------------------- unloads during capture
+
+# cuModuleUnload is not permitted while a stream captures a CUDA graph: it fails and the
+# capture ends in cudaErrorStreamCaptureInvalidated. A module's finaliser can run at any
+# allocation (the GC collecting a rejected candidate's module), so one that runs during a
+# capture would break it: on an H100 (2026-12-07) KernelBench L2 41's second capture
+# failed that way and the Program ran uncaptured. Such unloads wait for the capture's end.
+_captures = 0                      # stitchcuda's captures now running, on any thread
+_captures_lock = threading.Lock()
+_deferred: list[tuple["_Driver", ctypes.c_void_p]] = []   # appends are atomic: finaliser-safe
+
+
+@contextlib.contextmanager
+def capturing():
+    """Around a CUDA graph capture: a module closed meanwhile is unloaded at its end."""
+    global _captures
+    with _captures_lock:
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _captures_lock:
+            _captures -= 1
+        unload_deferred()
+
+
+def _unload_forbidden() -> bool:
+    """Whether a module unload now would break a capture: one of ours is running, or
+    torch's current stream is capturing (a user's ``torch.cuda.graph`` around a call)."""
+    if _captures:
+        return True
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_current_stream_capturing())
+    except Exception:  # noqa: BLE001 - no CUDA here: nothing can be capturing
+        return False
+
+
+def unload_deferred() -> int:
+    """Unload the modules closed during captures, where none is running now; returns
+    how many. A failure is logged, not raised: their owners are gone."""
+    done = 0
+    while _deferred and not _unload_forbidden():
+        try:
+            drv, handle = _deferred.pop()
+        except IndexError:     # another thread took the last one
+            break
+        code = drv.lib.cuModuleUnload(handle)
+        if code != CUDA_SUCCESS:
+            log.warning("stitchcuda: deferred cuModuleUnload failed: %s", drv.error_text(code)[0])
+        done += 1
+    return done
+
+
 # --------------------------------------------------------------------------- module and function
 
 
@@ -246,10 +303,15 @@ class CudaModule:
         return self._functions[key]
 
     def close(self) -> None:
-        """Unload the module; its functions become unusable."""
+        """Unload the module; its functions become unusable. During a CUDA graph
+        capture the unload waits for the capture's end (``capturing``)."""
         if self.handle is not None:
             handle, self.handle = self.handle, None
+            if _unload_forbidden():
+                _deferred.append((self._drv, handle))
+                return
             self._drv.check(self._drv.lib.cuModuleUnload(handle), "cuModuleUnload")
+            unload_deferred()
 
     def __enter__(self) -> "CudaModule":
         return self

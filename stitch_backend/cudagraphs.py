@@ -76,7 +76,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from . import rng
+from . import cuda_driver, rng
 from .mutations import nbytes, restored, split_outputs, write_back
 from .opclass import OpClass, classify
 from .replay_outputs import (_alias, _clone, _identical, _move_out, _tensors, _use_count,
@@ -174,7 +174,7 @@ def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with rng.rng_restored_on_failure(), torch.cuda.graph(graph):
+    with cuda_driver.capturing(), rng.rng_restored_on_failure(), torch.cuda.graph(graph):
         outputs = fn()
     return graph, outputs
 

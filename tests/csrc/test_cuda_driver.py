@@ -65,6 +65,53 @@ def test_driver_error_message():
     assert str(e) == "cuModuleGetFunction('k') failed: CUDA_ERROR_NOT_FOUND (500): named symbol not found"
 
 
+class _FakeLib:
+    def __init__(self):
+        self.unloaded = []
+
+    def cuModuleUnload(self, handle):
+        self.unloaded.append(handle.value)
+        return 0
+
+
+class _FakeDriver:
+    def __init__(self):
+        self.lib = _FakeLib()
+
+    def check(self, code, call):
+        assert code == 0, call
+
+
+def _fake_module(drv, handle):
+    mod = object.__new__(CudaModule)       # no cubin, no GPU: only close() is exercised
+    mod._drv, mod.handle, mod._functions = drv, ctypes.c_void_p(handle), {}
+    return mod
+
+
+def test_a_module_closed_during_a_capture_is_unloaded_when_it_ends():
+    drv = _FakeDriver()
+    first, second = _fake_module(drv, 11), _fake_module(drv, 12)
+    with cuda_driver.capturing():
+        first.close()
+        with cuda_driver.capturing():        # nested: only the outermost end unloads
+            second.close()
+        assert drv.lib.unloaded == []
+        assert first.handle is None and second.handle is None
+    assert sorted(drv.lib.unloaded) == [11, 12]
+    third = _fake_module(drv, 13)
+    third.close()                              # no capture: unloaded at once
+    assert drv.lib.unloaded[-1] == 13 and not cuda_driver._deferred
+
+
+def test_a_finaliser_during_a_capture_defers_too():
+    drv = _FakeDriver()
+    with cuda_driver.capturing():
+        mod = _fake_module(drv, 21)
+        del mod                                # CPython: __del__ runs here, mid-capture
+        assert drv.lib.unloaded == [] and len(cuda_driver._deferred) == 1
+    assert drv.lib.unloaded == [21] and not cuda_driver._deferred
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -188,3 +235,32 @@ def test_launch_overhead_is_small(capsys):
         print(f"\n[launch overhead] {explicit:.2f} us/launch with the stream given, "
               f"{lookup:.2f} us/launch looking up torch's current stream")
     assert 0 < explicit < 50 and 0 < lookup < 80
+
+
+@pytest.mark.gpu
+def test_a_module_dropped_inside_a_capture_does_not_break_it(module):
+    """The GC collecting a module during a capture (L2 41 on an H100: the second capture
+    failed with cudaErrorStreamCaptureInvalidated) leaves the capture whole."""
+    import torch
+
+    from stitch_backend.cudagraphs import capture
+
+    kernel = toolchain.compile_kernel(SOURCE, "saxpy", toolchain.device_arch())
+    doomed = [CudaModule(kernel.cubin)]
+    n = 1024
+    x = torch.ones(n, device="cuda")
+    y = torch.zeros(n, device="cuda")
+    fn = module.function("saxpy", "ppfi")
+
+    def run():
+        fn.launch((n // 256, 1, 1), (256, 1, 1), (x.data_ptr(), y.data_ptr(), 1.0, n))
+        if torch.cuda.is_current_stream_capturing():
+            doomed.clear()                      # its finaliser runs inside the capture
+        return y
+
+    graph, _ = capture(run)
+    assert not doomed and not cuda_driver._deferred
+    y.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.all(y == 1.0)
