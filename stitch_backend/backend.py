@@ -439,8 +439,7 @@ class StitchBackend:
                          config=self.config)
         self.trajectories.append(impl.trajectory)
         if not interpreted:
-            notes.append(f"{len(impl.candidates)} candidate kernel(s) compiled in "
-                         f"{impl.compile_s:.2f} s")
+            notes.append(impl.compile_note())
         notes.extend(impl.notes)
         make_runner = functools.partial(runner_for, base=base)
         if not self.config.verify:

@@ -278,12 +278,15 @@ def test_an_alternative_that_does_not_compile_is_reported(monkeypatch):
     from stitch_backend.agents.state import Task
 
     rec = _graph(ConvBN().train(), torch.randn(2, 3, 64, 64))
+    seen = []
 
     def fake_compile_many(jobs, max_workers=None, on_done=None):
         # proposals first, then the alternatives (ConvBN has one training BatchNorm: its
         # two-pass and single-pass splits); the single-pass one, last, fails
-        return [toolchain.CompiledKernel(job.name, job.arch, b"\x7fELF", "", 0.0, ["nvcc"])
-                for job in jobs[:-1]] + [toolchain.CompileError(["nvcc"], "error: broken", None)]
+        seen.extend(jobs)
+        return [toolchain.CompiledKernel(job.name, job.arch, b"\x7fELF", "", 0.25 * (i + 1),
+                                         ["nvcc"]) for i, job in enumerate(jobs[:-1])] + [
+            toolchain.CompileError(["nvcc"], "error: broken", None)]
 
     monkeypatch.setattr(toolchain, "compile_many", fake_compile_many)
     cfg = config_mod.Config(split_stats=True)
@@ -293,6 +296,14 @@ def test_an_alternative_that_does_not_compile_is_reported(monkeypatch):
     assert note.startswith("alternative ") and "_split1p does not compile" in note, note
     left = [a.name for c in impl.candidates.values() for a in c.alternatives]
     assert len(left) == 1 and left[0].endswith("_split"), left
+    # the report counts every kernel compiled, the two alternatives included, and sums
+    # the compiler's own times of those that compiled (0.25 s, 0.5 s, ...)
+    own = len(seen) - 2
+    done = [0.25 * (i + 1) for i in range(len(seen) - 1)]
+    assert impl.compile_note().startswith(
+        f"{len(seen)} kernel(s) ({own} candidate(s), 2 alternative(s)) compiled in "), impl.compile_note()
+    assert impl.compile_note().endswith(
+        f"the compiler's own times sum to {sum(done):.2f} s, the longest {max(done):.2f} s")
 
 
 def _layer_norm_region(rec):
