@@ -164,6 +164,27 @@ def test_split_candidate_matches_the_region(model, shape):
     assert found == 1
 
 
+@pytest.fixture(autouse=True)
+def both_split_forms(monkeypatch):
+    """This module tests both forms of split statistics; by default the Coder proposes
+    the two-pass one only where the single-pass one does not generate (the test below)."""
+    monkeypatch.setattr(TemplateCoder, "two_pass_splits", True)
+
+
+def test_by_default_only_the_single_pass_split_is_proposed(monkeypatch):
+    """The single-pass split alone, and no narrow launch of the template's column kernel
+    beside it (both lost to it on an H100 wherever they raced it)."""
+    monkeypatch.setattr(TemplateCoder, "two_pass_splits", False)
+    rec = _graph(ConvBN(c=16).train(), torch.randn(8, 3, 32, 32), channels_last=True)
+    region = next(r for r in rec.plan.regions if r.kind.value == "conv")
+    alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    assert sorted(a.name for a in alts) == ["k_sc", "k_sc_split1p", "k_split1p"], alts
+    monkeypatch.setattr(TemplateCoder, "two_pass_splits", True)
+    alts = TemplateCoder().propose(subtask_for(rec.gm, region, "k")).alternatives
+    assert sorted(a.name for a in alts) == ["k_sc", "k_sc_split", "k_sc_split1p", "k_split",
+                                            "k_split1p"], alts
+
+
 def test_channels_last_batchnorm_is_split_without_the_option():
     rec = _graph(ConvBN(c=16).train(), torch.randn(8, 3, 32, 32), channels_last=True)
     env = _values(rec.gm)
@@ -173,9 +194,9 @@ def test_channels_last_batchnorm_is_split_without_the_option():
     kernels = {a.name: len([s for s in a.stages if s.kernel is not None]) for a in alts}
     # after cuDNN's convolution, and after the generated one of 3 input channels (_sc);
     # the conversion back to NCHW is the template's third kernel, in the splits' last;
-    # 16 channels: the template's column kernel launched narrow too (_nrw)
+    # 16 channels, but no narrow launch of the template's column kernel: the statistics split
     assert kernels == {"k_split": 5, "k_split1p": 3, "k_sc": 3, "k_sc_split": 6,
-                       "k_sc_split1p": 4, "k_nrw": 2}, kernels
+                       "k_sc_split1p": 4}, kernels
     inputs = [env[n] for n in region.inputs]
     want = region_module(rec.gm, region)(*inputs)
     for alt in alts:
