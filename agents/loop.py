@@ -1,7 +1,8 @@
 """The agent loop for one graph: Planner's plan -> Coder -> compile -> (Verifier at first call).
 
-Candidates are compiled in parallel; a region whose candidate cannot be produced or
-compiled stays on ATen with the reason written into the Plan. Verification needs real
+Candidates are compiled in parallel (for the backend on a background thread, which the
+first call waits for); a region whose candidate cannot be produced or compiled stays on
+ATen with the reason written into the Plan. Verification needs real
 inputs, so it happens on the Program's first call (``stitch_backend.program``), which
 calls back into ``agents.acceptance``. With ``coder="template+llm"`` the LLM Coder adds
 untrusted candidates beside the template's there, once the regions' ATen times on the
@@ -10,8 +11,11 @@ real inputs rank them (``agents.llm_extras``, ``agents.hotspots``).
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +48,30 @@ class Implementation:
     # The subtask of every region with a candidate (the LLM Coder's work orders).
     subtasks: dict[int, Subtask] = field(default_factory=dict)
 
+    # the compile: a Future of (results, seconds) while it runs in the background, then
+    # the pair itself; how its results are given to the candidates (``_settle``)
+    _compiling: Any = field(default=None, repr=False)
+    _settle: Any = field(default=None, repr=False)
+
+    def finish(self) -> None:
+        """Wait for the kernels' compile (``implement(background=True)``) and give each
+        candidate its cubin; a compile that raised (no NVRTC, say) leaves every
+        candidate out, each region saying why. Nothing to wait for: returns at once."""
+        if self._settle is None:
+            return
+        settle, self._settle = self._settle, None
+        compiling, self._compiling = self._compiling, None
+        try:
+            compiled, self.compile_s = (compiling.result() if isinstance(compiling, Future)
+                                        else compiling)
+        except Exception as err:  # noqa: BLE001 - the graph runs on ATen, saying why
+            why = f"compile failed: {type(err).__name__}: {' '.join(str(err).split())}"
+            log.warning("stitchcuda: %s", why)
+            self.notes.append(f"{why}; every region runs on ATen")
+            settle([], failed=why)
+            return
+        settle(compiled)
+
     def compile_note(self) -> str:
         """How long the compile took, for the graph's report: e.g. "30 kernels (18
         candidates, 12 alternatives) compiled in 2.10 s; the compiler's own times sum
@@ -59,12 +87,17 @@ class Implementation:
 
 def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
               sm_count: int = 132, workers: int | None = None,
-              compile: bool = True, config: Any = None) -> Implementation:
+              compile: bool = True, config: Any = None,
+              background: bool = False) -> Implementation:
     """Propose and compile a candidate for every region the templates cover
     (``compile=False``: propose only, for the CPU interpreter); ``config`` (default: the
-    process settings) says whether the split-statistics variants are proposed."""
-    from stitch_backend.toolchain import (CompileError, CompileJob, compile_many, csrc_dir,
-                                          has_clusters)
+    process settings) says whether the split-statistics variants are proposed.
+
+    ``background``: the kernels compile on a background thread (one graph's batch at a
+    time) and this returns at once; ``Implementation.finish()`` waits for them. Until
+    then ``candidates`` holds every proposal; a candidate that did not compile leaves
+    it at ``finish``."""
+    from stitch_backend.toolchain import CompileJob, csrc_dir, has_clusters
 
     from stitch_backend import config as config_mod
 
@@ -92,13 +125,12 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         proposals.append(cand)
         subtasks[region.id] = sub
 
+    out = Implementation(trajectory=trajectory, subtasks=subtasks,
+                         candidates={c.region_id: c for c in proposals})
     if not compile:
-        out = Implementation(trajectory=trajectory, subtasks=subtasks)
         for cand in proposals:
-            out.candidates[cand.region_id] = cand
             trajectory.attempts.append(Attempt("generate", cand, None))
         return out
-    t0 = time.perf_counter()
     if torch.cuda.is_available() and any(_calls_cublaslt(c) for c in proposals):
         # the cuBLASLt runtime (built once per machine) compiles beside the kernels, for
         # the visible GPU's arch as its first use (lt_ops) would build it
@@ -112,40 +144,88 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
     jobs = [CompileJob(source=c.source, name=c.name, arch=arch, include_dirs=(csrc_dir(),),
                        compiler=cfg.compiler)
             for c in built + alternatives]
-    with progress.bar(len(jobs), f"compiling {task.graph}", "kernel",
-                      enabled=cfg.progress) as shown:
-        compiled = compile_many(jobs, max_workers=workers or None,
-                                on_done=shown.update) if jobs else []
+    out.compiled = (len(built), len(alternatives))
+    batch = _Batch(jobs, workers, f"compiling {task.graph}", cfg.progress)
+    out._settle = functools.partial(_settle, out, plan, proposals, built, alternatives)
+    if background:
+        out._compiling = _background().submit(batch.run)
+    else:
+        out._compiling = batch.run()
+        out.finish()
+    return out
+
+
+class _Batch:
+    """One graph's compile jobs, run with a progress bar: ``run()`` returns (results in
+    job order, wall seconds)."""
+
+    def __init__(self, jobs: list[Any], workers: int | None, label: str, shown: bool):
+        self.jobs, self.workers, self.label, self.shown = jobs, workers, label, shown
+
+    def run(self) -> tuple[list[Any], float]:
+        from stitch_backend.toolchain import compile_many
+
+        t0 = time.perf_counter()
+        with progress.bar(len(self.jobs), self.label, "kernel", enabled=self.shown) as bar:
+            compiled = (compile_many(self.jobs, max_workers=self.workers or None,
+                                     on_done=bar.update) if self.jobs else [])
+        return compiled, time.perf_counter() - t0
+
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _background() -> ThreadPoolExecutor:
+    """The one thread background compiles run on, in the order they were asked for
+    (each batch uses the helper processes of ``compile_many`` already)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1,
+                                           thread_name_prefix="stitchcuda-compile")
+        return _executor
+
+
+def _settle(out: Implementation, plan: Plan, proposals: list[Candidate],
+            built: list[Candidate], alternatives: list[Candidate],
+            compiled: list[Any], failed: str | None = None) -> None:
+    """Give each candidate and alternative its cubin, or its compile error: an
+    alternative that failed is dropped (the template still races), a candidate that
+    failed leaves ``out.candidates`` with the reason on its region. ``failed``: the
+    whole compile raised, so every candidate leaves, with that reason."""
+    from stitch_backend.toolchain import CompileError
+
+    by_id = {r.id: r for r in plan.regions}
+    if failed is not None:
+        for cand in proposals:
+            out.trajectory.attempts.append(Attempt("generate", cand, None))
+            cand.compile_error = by_id[cand.region_id].reason = failed
+        out.candidates.clear()
+        return
     by_cand = {id(c): r for c, r in zip(built, compiled)}
     results = [by_cand.get(id(c)) for c in proposals]   # None: nothing to build
-    alt_results = compiled[len(built):]
-    notes = []
-    for alt, result in zip(alternatives, alt_results):
+    for alt, result in zip(alternatives, compiled[len(built):]):
         if isinstance(result, CompileError):  # the template's own candidate still races
-            notes.append(f"alternative {alt.name} does not compile "
-                         f"({str(result).splitlines()[0]}); its region's template races alone")
-            log.warning("%s", notes[-1])
+            out.notes.append(f"alternative {alt.name} does not compile "
+                             f"({str(result).splitlines()[0]}); its region's template "
+                             "races alone")
+            log.warning("%s", out.notes[-1])
             alt.compile_error = str(result)
         else:
             alt.cubin, alt.compile_s = result.cubin, result.seconds
     for cand in proposals:
         cand.alternatives = [a for a in cand.alternatives if a.compile_error is None]
     own = [r.seconds for r in compiled if not isinstance(r, CompileError)]
-    out = Implementation(trajectory=trajectory, compile_s=time.perf_counter() - t0, notes=notes,
-                         subtasks=subtasks, compiled=(len(built), len(alternatives)),
-                         compiler_s=(sum(own), max(own, default=0.0)))
-    by_id = {r.id: r for r in plan.regions}
+    out.compiler_s = (sum(own), max(own, default=0.0))
     for cand, result in zip(proposals, results):
+        out.trajectory.attempts.append(Attempt("generate", cand, None))
         if isinstance(result, CompileError):
             cand.compile_error = str(result)
             by_id[cand.region_id].reason = f"compile error: {str(result).splitlines()[0]}"
-            trajectory.attempts.append(Attempt("generate", cand, None))
-            continue
-        if result is not None:
+            del out.candidates[cand.region_id]
+        elif result is not None:
             cand.cubin, cand.compile_s = result.cubin, result.seconds
-        out.candidates[cand.region_id] = cand
-        trajectory.attempts.append(Attempt("generate", cand, None))
-    return out
 
 
 # Where the candidates' cuBLASLt calls live (stitch_backend.lt_ops, lt_heads).
