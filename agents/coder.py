@@ -108,9 +108,10 @@ class TemplateCoder:
         splits = self._stats_splits(subtask, lead, part)
         cand.alternatives += launch_alternatives.row_write_layouts(self, subtask, stages)
         if not splits:
-            # where the statistics split, the narrow launch of their column kernel lost:
-            # on an H100 (session 34) 22 of 23 such races, by 3.5% (median) and up to 7x,
-            # the one win by 1.6% (ResNet18, channels-last)
+            # where the statistics split, the narrow launch of the column kernel lost
+            # each of its 15 races on an H100 (session 34: L2 11-77 by 1.5-7x, ResNet18's
+            # channels-last BatchNorms by 3.5-100%); without a split it stays (8 races:
+            # 1 won by 1.6%, 7 lost by 1-6%)
             cand.alternatives += launch_alternatives.narrow_columns(self, subtask, stages)
         cand.alternatives += launch_alternatives.single_pass_stats(self, subtask, stages)
         cand.alternatives += launch_alternatives.cluster_rows(self, subtask, stages)
