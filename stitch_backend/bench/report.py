@@ -73,6 +73,7 @@ def _notes(result: TaskResult) -> str:
     var = [r for r in result.records.values() if r.eager_output_varies is not None]
     if var and not var[0].eager_output_varies:
         notes.append("eager output same for every input")
+    notes += _hotter_card(result)
     for backend, rec in result.records.items():
         traced = [g for g in (rec.backend_records or [])
                   if isinstance(g, dict) and g.get("runs_as_traced")]
@@ -80,6 +81,25 @@ def _notes(result: TaskResult) -> str:
             notes.append(f"{backend}: {len(traced)}/{len(rec.backend_records)} graph(s) run "
                          "as traced (eager guard)")
     return ", ".join(notes)
+
+
+# A backend whose timing began on a card this much hotter than the first backend's is
+# named in its task's notes: on an H100 (2026-12-07, L2) fp32 GEMM tasks timed last,
+# 10-20 C hotter than eager's, ran 3-4% slower than eager with the same cuBLAS kernel.
+HOTTER_C = 10.0
+
+
+def _hotter_card(result: TaskResult) -> list[str]:
+    """A note for each backend timed on a card HOTTER_C or more hotter than the first
+    backend timed (none where the backends were interleaved: each round rotates them)."""
+    timed = [(b, r) for b, r in result.records.items()
+             if r.gpu_before and "temp_c" in r.gpu_before and not r.timing_rounds]
+    if len(timed) < 2:
+        return []
+    first, base = timed[0][0], timed[0][1].gpu_before["temp_c"]
+    return [f"{b} timed on a card {r.gpu_before['temp_c'] - base:.0f} C hotter than "
+            f"{first}'s (--interleave rotates the order)" for b, r in timed[1:]
+            if r.gpu_before["temp_c"] - base >= HOTTER_C]
 
 
 def _header_lines(meta: dict[str, Any]) -> list[str]:

@@ -144,3 +144,26 @@ def test_gpu_state_table_shows_drift_between_backends_and_survives_a_roundtrip(t
     results = latest_runs(back)
     assert "## GPU while timing" not in render_markdown(
         results, summarise(results, ["eager", "x"]), ["eager", "x"], {})
+
+
+def test_a_backend_timed_on_a_much_hotter_card_is_named_in_the_task_notes():
+    from stitch_backend.bench.report import HOTTER_C, render_markdown
+
+    recs = [rec("gemm", "eager", 2.8), rec("gemm", "inductor", 3.0), rec("gemm", "x", 2.9)]
+    for r, temp in zip(recs, (46.0, 46.0 + HOTTER_C - 1, 46.0 + HOTTER_C)):
+        r.gpu_before = r.gpu_after = {"temp_c": temp, "free_gib": 50.0}
+
+    def notes(records):
+        results = latest_runs(records)
+        md = render_markdown(results, summarise(results, ["eager", "inductor", "x"]),
+                             ["eager", "inductor", "x"], {})
+        (row,) = [line for line in md.split("## Tasks")[1].split("\n## ")[0].splitlines()
+                  if line.startswith("| gemm ")]
+        return row.rsplit(" | ", 1)[1]
+
+    assert "x timed on a card 10 C hotter than eager's" in notes(recs)
+    assert "inductor timed" not in notes(recs)         # 9 C: below the threshold
+    for r in recs:
+        r.timing_rounds = 4                           # interleaved: no order to blame
+    assert "hotter" not in notes(recs)
+
