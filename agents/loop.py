@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -182,9 +183,19 @@ def _background() -> ThreadPoolExecutor:
     global _executor
     with _executor_lock:
         if _executor is None:
+            if not hasattr(_background, "fork_hook"):
+                # a forked child has no copy of the thread: its compiles start another
+                # (the copied executor would queue them forever)
+                os.register_at_fork(after_in_child=_forget_executor)
+                _background.fork_hook = True
             _executor = ThreadPoolExecutor(max_workers=1,
                                            thread_name_prefix="stitchcuda-compile")
         return _executor
+
+
+def _forget_executor() -> None:
+    global _executor, _executor_lock
+    _executor, _executor_lock = None, threading.Lock()
 
 
 def _settle(out: Implementation, plan: Plan, proposals: list[Candidate],

@@ -99,3 +99,34 @@ def test_a_compile_that_raises_leaves_every_region_on_aten_with_the_reason(monke
     why = "compile failed: ToolchainError: libnvrtc could not be loaded"
     assert [rec.plan.regions[i].reason for i in ids] == [why] * len(ids)
     assert impl.notes == [f"{why}; every region runs on ATen"]
+
+
+def test_a_forked_child_compiles_in_the_background_too(monkeypatch):
+    """A child forked after the background thread started has no copy of it: its own
+    compiles must not wait forever on the copied executor."""
+    import os
+    import time
+
+    rec = _graph()
+    monkeypatch.setattr(toolchain, "compile_many",
+                        lambda jobs, max_workers=None, on_done=None: [_kernel(j, 0.1) for j in jobs])
+    implement(TASK, rec.gm, rec.plan, arch="sm_90a", background=True).finish()  # thread up
+    pid = os.fork()
+    if pid == 0:                                   # the child: exit 0 once its compile is done
+        try:
+            impl = implement(TASK, rec.gm, rec.plan, arch="sm_90a", background=True)
+            impl.finish()
+            code = 0 if all(c.cubin for c in impl.candidates.values()) else 1
+        except BaseException:
+            code = 2
+        os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's compile never finished")
