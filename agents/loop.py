@@ -18,7 +18,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx
@@ -154,6 +154,42 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
         out._compiling = batch.run()
         out.finish()
     return out
+
+
+class CompileWait:
+    """A graph's wait for its kernels, run once: ``()`` waits (``Implementation.finish``),
+    puts the compile's note and the loop's notes into ``notes`` (the graph's report;
+    ``report``: say how the compile went) and returns the seconds waited;
+    ``before(verify)`` is ``verify`` that waits first, as a Program's first call does."""
+
+    def __init__(self, impl: Implementation, notes: list[str], *, report: bool,
+                 background: bool):
+        self.impl, self.notes, self.report, self.background = impl, notes, report, background
+        self.done = False
+
+    def __call__(self) -> float:
+        if self.done:
+            return 0.0
+        self.done = True
+        t0 = time.perf_counter()
+        self.impl.finish()
+        waited = time.perf_counter() - t0
+        if self.report:
+            self.notes.append(self.impl.compile_note() + (
+                f"; the first call waited {waited:.2f} s for it" if self.background else ""))
+        self.notes.extend(self.impl.notes)
+        return waited
+
+    def before(self, verify: Callable[..., Any]) -> Callable[..., Any]:
+        def verify_compiled(program: Any, inputs: list[Any], **kw: Any) -> Any:
+            # candidates that did not compile are no longer pending; the wait is the
+            # compile's, not the verification's (verify_s adds this call's whole time)
+            program.verify_s -= self()
+            program.pending = {rid: c for rid, c in program.pending.items()
+                               if rid in self.impl.candidates}
+            return verify(program, inputs, **kw)
+
+        return verify_compiled
 
 
 class _Batch:

@@ -414,7 +414,7 @@ class StitchBackend:
 
     def _generate(self, gm, plan: Plan, key: GraphKey, arch: str, record: GraphRecord,
                   slot, sm_count: int, base, graph_timing: bool = False) -> Program:
-        from stitch_backend.agents.loop import implement
+        from stitch_backend.agents.loop import CompileWait, implement
         from stitch_backend.agents.state import Task
 
         from . import artifacts
@@ -442,25 +442,10 @@ class StitchBackend:
                          workers=self.config.compile_workers or None, compile=not interpreted,
                          config=self.config, background=background)
         self.trajectories.append(impl.trajectory)
-        settled = []
-
-        def settle() -> float:
-            """Once: wait for the compile, then report it; the seconds waited."""
-            if settled:
-                return 0.0
-            settled.append(True)
-            t0 = time.perf_counter()
-            impl.finish()
-            waited = time.perf_counter() - t0
-            if not interpreted:
-                notes.append(impl.compile_note() + (
-                    f"; the first call waited {waited:.2f} s for it" if background else ""))
-            notes.extend(impl.notes)
-            return waited
-
+        compiled = CompileWait(impl, notes, report=not interpreted, background=background)
         make_runner = functools.partial(runner_for, base=base)
         if not background:
-            settle()
+            compiled()
         if not self.config.verify:
             notes.append("verify=False: candidates installed UNVERIFIED (debugging only)")
             for rid, cand in impl.candidates.items():
@@ -483,16 +468,7 @@ class StitchBackend:
         verify = self._verifier_call(base, graph_timing=graph_timing,
                                      trajectory=impl.trajectory, on_done=on_done,
                                      extras=extras)
-
-        def verify_compiled(program: Program, inputs: list[Any], **kw: Any) -> Any:
-            # candidates that did not compile are no longer pending; the wait is the
-            # compile's, not the verification's (verify_s adds this call's whole time)
-            program.verify_s -= settle()
-            program.pending = {rid: c for rid, c in program.pending.items()
-                               if rid in impl.candidates}
-            return verify(program, inputs, **kw)
-
-        return Program(gm, plan, pending=impl.candidates, verify=verify_compiled)
+        return Program(gm, plan, pending=impl.candidates, verify=compiled.before(verify))
 
     def _replay_ineligible(self, gm, example_inputs, record: GraphRecord) -> str | None:
         """Why this CUDA graph's Program cannot be replayed as one CUDA graph (None: it can)."""

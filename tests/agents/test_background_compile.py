@@ -130,3 +130,41 @@ def test_a_forked_child_compiles_in_the_background_too(monkeypatch):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's compile never finished")
+
+
+def test_the_first_calls_verification_waits_then_sees_only_what_compiled(monkeypatch):
+    """``CompileWait.before(verify)``, as the backend hands it to a Program: the wait
+    comes first and is not counted as verification, a candidate that did not compile is
+    no longer pending, and the compile is reported once."""
+    from types import SimpleNamespace
+
+    from stitch_backend.agents.loop import CompileWait
+
+    rec = _graph()
+    release = threading.Event()
+
+    def one_fails_late(jobs, max_workers=None, on_done=None):
+        assert release.wait(30)
+        return [toolchain.CompileError(["nvrtc"], "error: broken", None) if i == 0
+                else _kernel(job, 0.1) for i, job in enumerate(jobs)]
+
+    monkeypatch.setattr(toolchain, "compile_many", one_fails_late)
+    impl = implement(TASK, rec.gm, rec.plan, arch="sm_90a", background=True)
+    notes: list[str] = []
+    wait = CompileWait(impl, notes, report=True, background=True)
+    program = SimpleNamespace(verify_s=0.0, pending=dict(impl.candidates))
+    proposed = len(program.pending)
+    seen = []
+
+    def verify(prog, inputs):
+        seen.append(sorted(prog.pending))
+        return "verified"
+
+    threading.Timer(0.3, release.set).start()
+    assert wait.before(verify)(program, []) == "verified"
+    assert seen == [sorted(impl.candidates)] and len(seen[0]) == proposed - 1
+    assert program.verify_s <= -0.25          # the wait, taken off the verification's time
+    (note,) = [n for n in notes if "compiled in" in n]
+    assert note.startswith(impl.compile_note()) and "; the first call waited " in note
+    wait.before(verify)(program, [])          # a second verification (a new shape): no wait,
+    assert len([n for n in notes if "compiled in" in n]) == 1    # no second report
