@@ -49,8 +49,8 @@ class Implementation:
     # The subtask of every region with a candidate (the LLM Coder's work orders).
     subtasks: dict[int, Subtask] = field(default_factory=dict)
 
-    # the compile: a Future of (results, seconds) while it runs in the background, then
-    # the pair itself; how its results are given to the candidates (``_settle``)
+    # the compile: a Future of (results, seconds), done already where it ran in the
+    # foreground; how its results are given to the candidates (``_settle``)
     _compiling: Any = field(default=None, repr=False)
     _settle: Any = field(default=None, repr=False)
 
@@ -63,8 +63,7 @@ class Implementation:
         settle, self._settle = self._settle, None
         compiling, self._compiling = self._compiling, None
         try:
-            compiled, self.compile_s = (compiling.result() if isinstance(compiling, Future)
-                                        else compiling)
+            compiled, self.compile_s = compiling.result()
         except Exception as err:  # noqa: BLE001 - the graph runs on ATen, saying why
             why = f"compile failed: {type(err).__name__}: {' '.join(str(err).split())}"
             log.warning("stitchcuda: %s", why)
@@ -146,12 +145,14 @@ def implement(task: Task, gm: torch.fx.GraphModule, plan: Plan, *, arch: str,
                        compiler=cfg.compiler)
             for c in built + alternatives]
     out.compiled = (len(built), len(alternatives))
-    batch = _Batch(jobs, workers, f"compiling {task.graph}", cfg.progress)
+    batch = functools.partial(_compile_batch, jobs, workers, f"compiling {task.graph}",
+                              cfg.progress)
     out._settle = functools.partial(_settle, out, plan, proposals, built, alternatives)
     if background:
-        out._compiling = _background().submit(batch.run)
+        out._compiling = _background().submit(batch)
     else:
-        out._compiling = batch.run()
+        out._compiling = Future()
+        out._compiling.set_result(batch())    # a compile that raises, raises here
         out.finish()
     return out
 
@@ -192,38 +193,34 @@ class CompileWait:
         return verify_compiled
 
 
-class _Batch:
-    """One graph's compile jobs, run with a progress bar: ``run()`` returns (results in
-    job order, wall seconds)."""
+def _compile_batch(jobs: list[Any], workers: int | None, label: str,
+                   shown: bool) -> tuple[list[Any], float]:
+    """One graph's compile jobs, with a progress bar: (results in job order, wall seconds)."""
+    from stitch_backend.toolchain import compile_many
 
-    def __init__(self, jobs: list[Any], workers: int | None, label: str, shown: bool):
-        self.jobs, self.workers, self.label, self.shown = jobs, workers, label, shown
-
-    def run(self) -> tuple[list[Any], float]:
-        from stitch_backend.toolchain import compile_many
-
-        t0 = time.perf_counter()
-        with progress.bar(len(self.jobs), self.label, "kernel", enabled=self.shown) as bar:
-            compiled = (compile_many(self.jobs, max_workers=self.workers or None,
-                                     on_done=bar.update) if self.jobs else [])
-        return compiled, time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with progress.bar(len(jobs), label, "kernel", enabled=shown) as bar:
+        compiled = (compile_many(jobs, max_workers=workers or None, on_done=bar.update)
+                    if jobs else [])
+    return compiled, time.perf_counter() - t0
 
 
 _executor: ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
+_fork_hook = False        # whether _forget_executor runs in forked children
 
 
 def _background() -> ThreadPoolExecutor:
     """The one thread background compiles run on, in the order they were asked for
     (each batch uses the helper processes of ``compile_many`` already)."""
-    global _executor
+    global _executor, _fork_hook
     with _executor_lock:
         if _executor is None:
-            if not hasattr(_background, "fork_hook"):
+            if not _fork_hook:
                 # a forked child has no copy of the thread: its compiles start another
                 # (the copied executor would queue them forever)
                 os.register_at_fork(after_in_child=_forget_executor)
-                _background.fork_hook = True
+                _fork_hook = True
             _executor = ThreadPoolExecutor(max_workers=1,
                                            thread_name_prefix="stitchcuda-compile")
         return _executor

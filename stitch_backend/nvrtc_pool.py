@@ -59,13 +59,12 @@ def compile_jobs(jobs: Sequence[toolchain.CompileJob], workers: int,
     results: list[Any] = [None] * len(jobs)
     todo: list[tuple[int, str, str, list[str]]] = []
     for i, job in enumerate(jobs):
-        options, key = toolchain.nvrtc_options(job.source, job.arch, job.include_dirs, job.extra_flags)
-        hit = toolchain._memo_get(key, job.name)
+        hit, options, key = toolchain.nvrtc_prepare(job.source, job.name, job.arch,
+                                                    job.include_dirs, job.extra_flags)
         if hit is not None:
             results[i] = hit
             _tick(on_done)
         else:
-            toolchain._log_source(job.name, job.arch, job.source)   # as compile_nvrtc does
             todo.append((i, key, job.name, options))
     if not todo:
         return results
@@ -92,7 +91,7 @@ def compile_jobs(jobs: Sequence[toolchain.CompileJob], workers: int,
                             queue.append(item)      # back for another process, or threads
                         raise
                     if isinstance(res, toolchain.CompiledKernel):
-                        toolchain._memo_put(key, res)
+                        toolchain.nvrtc_remember(key, res)
                     results[i] = res
                     _tick(on_done)
         except WorkerError as err:

@@ -511,23 +511,33 @@ def compile_nvrtc(
     ``CompileError`` on failure as ``compile_cubin``; ``cmd`` reads ``["nvrtc", *options]``
     and ``source_path`` is a kept copy of the source.
     """
-    options, key = nvrtc_options(source, arch, include_dirs, extra_flags)
-    hit = _memo_get(key, name)
+    hit, options, key = nvrtc_prepare(source, name, arch, include_dirs, extra_flags)
     if hit is not None:
         return hit
-    _log_source(name, arch, source)
     kernel = nvrtc_compile(load_nvrtc(), source, name, arch, options)
-    _memo_put(key, kernel)
+    nvrtc_remember(key, kernel)
     return kernel
 
 
-def nvrtc_options(source: str, arch: str, include_dirs: Sequence[str | Path] = (),
-                  extra_flags: Sequence[str] = ()) -> tuple[list[str], str]:
-    """(NVRTC's options, the memo key) for compiling ``source`` for ``arch``."""
+def nvrtc_prepare(source: str, name: str, arch: str, include_dirs: Sequence[str | Path] = (),
+                  extra_flags: Sequence[str] = ()) -> tuple[CompiledKernel | None, list[str], str]:
+    """(the memo's kernel or None, NVRTC's options, the memo key) for compiling
+    ``source`` for ``arch``; a miss logs the source (output_code), as a compile does.
+    ``compile_nvrtc`` and the helper processes' parent (``nvrtc_pool``) both start here
+    and give a new kernel to ``nvrtc_remember``."""
     _parse_arch(arch)
     incs = [str(csrc_dir())] + [str(d) for d in include_dirs] + [str(d) for d in cuda_include_dirs()]
     options = [*NVRTC_BASE_FLAGS, f"--gpu-architecture={arch}", *(f"--include-path={d}" for d in incs), *extra_flags]
-    return options, _memo_key(f"nvrtc {nvrtc_version()}", source, arch, options, incs)
+    key = _memo_key(f"nvrtc {nvrtc_version()}", source, arch, options, incs)
+    hit = _memo_get(key, name)
+    if hit is None:
+        _log_source(name, arch, source)
+    return hit, options, key
+
+
+def nvrtc_remember(key: str, kernel: CompiledKernel) -> None:
+    """Keep ``kernel`` in the memo under ``key`` (from ``nvrtc_prepare``)."""
+    _memo_put(key, kernel)
 
 
 def nvrtc_compile(lib: ctypes.CDLL, source: str, name: str, arch: str,

@@ -85,7 +85,8 @@ def _notes(result: TaskResult) -> str:
 
 # A backend whose timing began on a card this much hotter than the first backend's is
 # named in its task's notes: on an H100 (2026-12-07, L2) fp32 GEMM tasks timed last,
-# 10-20 C hotter than eager's, ran 3-4% slower than eager with the same cuBLAS kernel.
+# 9-19 C hotter than eager's, read 3-4% slower than eager with the same cuBLAS kernel
+# (heat is one explanation; --interleave tells).
 HOTTER_C = 10.0
 
 
