@@ -414,7 +414,16 @@ class GraphReplay:
         # random draws: the reference run and the replay start from the same generator
         # state, and the replay's draws are the ones this call keeps
         before = rng.rng_state(self.random)
-        expected, values = split_outputs(self.program.run_inputs(inputs), writebacks)
+        try:
+            expected, values = split_outputs(self.program.run_inputs(inputs), writebacks)
+        except torch.OutOfMemoryError as err:
+            # the check's run does not fit beside the graph's own buffers: no replay (its
+            # pool is freed), and this call runs uncaptured, from the same random state
+            rng.rng_set(before)
+            self.disable("out of GPU memory for the first replay's check (an uncaptured "
+                         f"run beside the captured graph's buffers: {_first_line(err)})")
+            torch.cuda.empty_cache()
+            raise NotCaptured(self.disabled) from None
         rng.rng_set(before)
         outputs = self._replay(inputs)
         if not (_identical(outputs, expected) and _identical(list(targets), values)):
@@ -435,7 +444,15 @@ class GraphReplay:
                 "uncaptured runs differ), so its first replay was checked by the "
                 "correctness rule against an uncaptured run, and agreed")
         del expected, values
-        why = self._slower_than_uncaptured(inputs, targets)
+        try:
+            why = self._slower_than_uncaptured(inputs, targets)
+        except torch.OutOfMemoryError as err:
+            # the replay was checked; only its timing against running uncaptured did not fit
+            why = None
+            torch.cuda.empty_cache()
+            self.program.notes_sink.append(
+                "replay kept without timing it against running uncaptured: out of GPU memory "
+                f"for the timing runs beside the captured graph's buffers ({_first_line(err)})")
         if why:
             self.disable(why)
         return outputs
@@ -556,6 +573,12 @@ def replay_disagrees(replayed: Any, expected: Any, rerun: Any | None) -> str | N
     return ("the first replay differed from the uncaptured run beyond the correctness "
             f"rule ({cmp.reason}) and beyond twice the {spread:.3g} two uncaptured runs "
             "differ by")
+
+
+def _first_line(err: BaseException) -> str:
+    """The error's type and first two sentences (torch's OOM message goes on for lines)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {'. '.join(text.split('. ')[:2])}"
 
 
 def uncaptured_wins(replay_ms: float, plain_ms: float) -> bool:

@@ -152,10 +152,10 @@ def test_replay_is_not_timed_where_mutated_inputs_are_too_large_to_save(monkeypa
     assert program.notes_sink[0].startswith("replay kept without timing it: 0 MiB of mutated")
 
 
-def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
-    """The first replay's logic on the CPU, with a stand-in for the captured graph (which
-    runs the Program and writes static mutated inputs, as the capture records): outputs
-    checked, timing runs' mutations undone, the counter advanced exactly once."""
+def _counter_replay(monkeypatch):
+    """A Program that counts its calls in a buffer it mutates, and its GraphReplay with a
+    stand-in for the captured graph (which runs the Program and writes static mutated
+    inputs, as the capture records), so that the first replay's logic runs on the CPU."""
     from stitch_backend import cudagraphs
     from stitch_backend.agents.planner import partition
     from stitch_backend.mutations import split_outputs, strip_input_mutations, write_back
@@ -186,10 +186,18 @@ def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
 
     monkeypatch.setattr(cudagraphs, "capture", lambda fn: (_Graph(), fn()))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # fn(): uncaptured
+    replay.warm = True
+    return program, replay
+
+
+def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
+    """Outputs checked, timing runs' mutations undone, the counter advanced exactly once."""
+    from stitch_backend import cudagraphs
+
+    _, replay = _counter_replay(monkeypatch)
     timed = []
     monkeypatch.setattr(cudagraphs, "wall_ms", lambda fn: (fn(), timed.append(fn), 1.0)[-1])
     x, count = torch.randn(3), torch.zeros(())
-    replay.warm = True
     out = replay([x, count])
     assert len(timed) == 4 and replay.disabled is None     # equal times: replay stays on
     assert count.item() == 1.0                             # once, despite 5 extra runs
@@ -197,6 +205,54 @@ def test_first_replay_is_checked_timed_and_mutates_once(monkeypatch):
     out = replay([x, count])
     assert count.item() == 2.0
     torch.testing.assert_close(out, (x * 2.0,), rtol=0, atol=0)
+
+
+def _oom(*_a, **_k):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.97 GiB. GPU 0 has a "
+                                 "total capacity of 79.18 GiB of which 7.73 GiB is free.")
+
+
+def test_a_first_replay_whose_timing_runs_out_of_memory_keeps_the_checked_replay(monkeypatch):
+    """KernelBench L1 63 on an H100 (an 8 GiB output, a second backend held in the same
+    process): the timing runs beside the graph's buffers ran out of memory, and the error
+    reached the user's call. The replay was already checked: it stays, untimed, said so."""
+    from stitch_backend import cudagraphs
+
+    program, replay = _counter_replay(monkeypatch)
+    monkeypatch.setattr(cudagraphs, "wall_ms", _oom)
+    x, count = torch.randn(3), torch.zeros(())
+    out = replay([x, count])
+    torch.testing.assert_close(out, (x * 1.0,), rtol=0, atol=0)
+    assert count.item() == 1.0 and replay.disabled is None
+    assert any(n.startswith("replay kept without timing it against running uncaptured: out "
+                            "of GPU memory") and "Tried to allocate 7.97 GiB" in n
+               and "total capacity" not in n for n in program.notes_sink)
+    torch.testing.assert_close(replay([x, count]), (x * 2.0,), rtol=0, atol=0)
+
+
+def test_a_first_replay_whose_check_runs_out_of_memory_runs_uncaptured(monkeypatch):
+    """The check's uncaptured run does not fit beside the graph's buffers: replay off (its
+    buffers freed), the call runs uncaptured (NotCaptured), nothing mutated by the try."""
+    from stitch_backend import cudagraphs
+
+    program, replay = _counter_replay(monkeypatch)
+    run_inputs = program.run_inputs
+    calls = []
+
+    def oom_once(inputs, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:          # the capture's own run first, then the check's
+            _oom()
+        return run_inputs(inputs, *a, **k)
+
+    monkeypatch.setattr(program, "run_inputs", oom_once)
+    x, count = torch.randn(3), torch.zeros(())
+    with pytest.raises(cudagraphs.NotCaptured, match="out of GPU memory for the first replay"):
+        replay([x, count])
+    assert count.item() == 0.0 and replay.graph is None and replay.static_outputs is None
+    assert replay.disabled.startswith("out of GPU memory for the first replay's check")
+    with pytest.raises(cudagraphs.NotCaptured):    # for good: the Program runs uncaptured
+        replay([x, count])
 
 
 def test_a_replayed_program_drawing_random_numbers_draws_what_eager_would(monkeypatch):
