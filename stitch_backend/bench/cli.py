@@ -90,10 +90,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "call is a cold compile; keep: use the environment's (default: %(default)s)")
     p.add_argument("--no-recompile", action="store_true",
                    help="skip the in-process recompile timing (torch._dynamo.reset() + first call)")
-    p.add_argument("--interleave", action="store_true",
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
                    help="compile and check every backend of a task first, then time them in "
-                        "rounds that rotate their order (a card drifting during the task "
-                        "weighs on all alike; all backends stay in memory at once)")
+                        "rounds that rotate their order, so that a card drifting during the "
+                        "task weighs on all alike (default; all backends stay in memory at "
+                        "once, and a task out of GPU memory so is timed again sequentially). "
+                        "--no-interleave: each backend compiled and timed after the one before")
     p.add_argument("--no-plot", action="store_true", help="do not write speedups.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or per-task lines")
 

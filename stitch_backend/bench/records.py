@@ -44,6 +44,7 @@ class BenchRecord:
     gpu_before: dict[str, float] | None = None  # NVML temp/clock/power as timing began
     gpu_after: dict[str, float] | None = None   # ... and as it ended (timing.gpu_state)
     timing_rounds: int | None = None    # interleaved: its runs were split over this many rounds
+    sequential_why: str = ""            # asked to interleave, timed one backend after another
     io_bytes: int | None = None         # inputs + parameters/buffers + outputs, each once
     p10_ms: float | None = None
     p90_ms: float | None = None

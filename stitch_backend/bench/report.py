@@ -74,6 +74,9 @@ def _notes(result: TaskResult) -> str:
     if var and not var[0].eager_output_varies:
         notes.append("eager output same for every input")
     notes += _hotter_card(result)
+    why = next((r.sequential_why for r in result.records.values() if r.sequential_why), "")
+    if why:
+        notes.append(why)
     for backend, rec in result.records.items():
         traced = [g for g in (rec.backend_records or [])
                   if isinstance(g, dict) and g.get("runs_as_traced")]

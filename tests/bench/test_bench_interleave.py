@@ -85,9 +85,11 @@ def test_interleaved_timing_compiles_all_then_rotates_the_backends(monkeypatch):
 
 
 def test_interleave_flag_reaches_the_worker(tmp_path):
-    args = _parse(["bench", str(EXAMPLES["mlp_gelu"]), "--backends", "eager", "--device", "cpu",
-                   "--interleave", "--out", str(tmp_path)])
-    assert args.interleave
+    common = ["bench", str(EXAMPLES["mlp_gelu"]), "--backends", "eager", "--device", "cpu",
+              "--out", str(tmp_path)]
+    assert _parse(common).interleave                      # the default
+    assert _parse(common + ["--interleave"]).interleave
+    assert not _parse(common + ["--no-interleave"]).interleave
     from stitch_backend.bench.worker import _parse as worker_parse
     cfg, _ = worker_parse(TaskConfig(spec="s.py", name="s", backends=["eager"],
                                      interleave=True).to_argv(tmp_path / "r.jsonl"))

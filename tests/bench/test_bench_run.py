@@ -5,12 +5,14 @@ import json
 import queue
 import stat
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from stitch_backend.bench import cli, runner
+from stitch_backend.bench.metrics import TaskResult
 from stitch_backend.bench.problems import ProblemRef
 from stitch_backend.bench.records import BenchRecord, read_records
 from stitch_backend.bench.timing import percentile, time_call
@@ -513,13 +515,51 @@ def test_a_task_out_of_memory_beside_others_runs_again_alone_after_them(monkeypa
     assert done[-1] == ("big", "ok") and sorted(done[:-1]) == [("a", "ok"), ("c", "ok")]
     assert calls[-1] == ("big", 1, None)          # alone: its own GPU, no turns
     assert "big: out of GPU memory while sharing the GPU; it runs again alone" in caplog.text
-    # the same error with the GPU not shared is the task's result, not retried
+    # the same error with the GPU not shared, timed sequentially, is the task's result
     calls.clear()
     done.clear()
     slots = queue.SimpleQueue()
     slots.put(runner.Slot(gpu="0"))
     monkeypatch.setattr(runner, "run_task_process", lambda cfg, ref, run, slot=runner.Slot(): [
-        BenchRecord(task=ref.name, spec=ref.spec, backend="eager", status="error",
-                    error="torch.OutOfMemoryError")])
-    runner._run_slots(cfg, refs[1:2], lambda ref, recs: done.append(ref.name), slots)
-    assert done == ["big"]
+        calls.append(ref.name), BenchRecord(task=ref.name, spec=ref.spec, backend="eager",
+                                            status="error", error="torch.OutOfMemoryError")][1:])
+    runner._run_slots(replace(cfg, interleave=False), refs[1:2],
+                      lambda ref, recs: done.append(ref.name), slots)
+    assert done == ["big"] and calls == ["big"]
+
+
+def test_an_interleaved_task_out_of_memory_alone_is_timed_again_sequentially(monkeypatch, caplog):
+    """--interleave (the default) holds every backend at once: a task out of GPU memory
+    so, on a GPU of its own (or again alone after sharing one), is run once more with its
+    backends one after another, and its records and the report say so."""
+    from stitch_backend.bench.report import _notes
+
+    calls = []
+
+    def fake(cfg, ref, task_run, slot=runner.Slot()):
+        calls.append((cfg.interleave, slot.shared_by))
+        short = cfg.interleave
+        return [BenchRecord(task=ref.name, spec=ref.spec, backend=b, task_run=task_run,
+                            status="error" if short else "ok",
+                            error="torch.OutOfMemoryError: CUDA out of memory" if short else "")
+                for b in ("eager", "stitchcuda")]
+
+    monkeypatch.setattr(runner, "run_task_process", fake)
+    cfg = runner.BenchConfig(backends=["eager", "stitchcuda"], device="cuda")
+    assert cfg.interleave
+    for shared_by, expected in ((1, [(True, 1), (False, 1)]),
+                                (2, [(True, 2), (True, 1), (False, 1)])):
+        calls.clear()
+        done = []
+        slots = queue.SimpleQueue()
+        slots.put(runner.Slot(gpu="0", turn_lock="/tmp/lock" if shared_by > 1 else None,
+                              shared_by=shared_by))
+        runner._run_slots(cfg, [ProblemRef("big", "big.py")],
+                          lambda ref, recs: done.append(recs), slots)
+        assert calls == expected
+        (recs,) = done
+        assert [r.status for r in recs] == ["ok", "ok"]
+        assert all(r.sequential_why == runner.SEQUENTIAL_WHY for r in recs)
+    assert "with every backend held at once; it runs again with its backends" in caplog.text
+    result = TaskResult(task="big", task_run="x", records={r.backend: r for r in recs})
+    assert runner.SEQUENTIAL_WHY in _notes(result)
