@@ -56,6 +56,11 @@ class TemplateCoder:
     # form ask for both.
     two_pass_splits = False
 
+    # Column reductions over short static rows also get the lean launch (fewer threads a
+    # row; ``launch_alternatives.lean_columns``), the template's kernel renamed: raced by
+    # the Verifier, kept where faster. Not yet measured on a GPU (session 35).
+    lean_columns = True
+
     def __init__(self, sm_count: int = 132, split_stats: bool = True,
                  library_on_cpu: bool | None = None, clusters: bool = False):
         self.sm_count = sm_count
@@ -116,6 +121,11 @@ class TemplateCoder:
         cand.alternatives += launch_alternatives.single_pass_stats(self, subtask, stages)
         cand.alternatives += launch_alternatives.cluster_rows(self, subtask, stages)
         cand.alternatives += splits
+        if self.lean_columns:
+            cand.alternatives += launch_alternatives.lean_columns(self, subtask, stages)
+            for split in splits:   # its last stage, where that is the reduction that normalises
+                cand.alternatives += launch_alternatives.lean_columns(
+                    self, subtask, split.stages, split.name, split.region_outputs, last_only=True)
         if library is not None:
             cand.alternatives.append(library)
             if conv_tag is not None:   # a generated convolution: split statistics after it too

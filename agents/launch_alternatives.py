@@ -1,12 +1,14 @@
 """Alternatives of a Coder candidate that differ from it only in how a reduction kernel
 is laid out, launched or summed (the Verifier races each against the candidate and keeps
 the fastest): the column and staged layouts of a reduction that writes across its rows,
-the narrow launch of a column reduction over few rows, variances over long rows in
-one pass, and long rows shared by the blocks of a cluster. ``coder`` is the
+the narrow launch of a column reduction over few rows, the lean launch of one over
+short rows, variances over long rows in one pass, and long rows shared by the blocks of
+a cluster. ``coder`` is the
 TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -55,6 +57,46 @@ def narrow_columns(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Ca
 
     cand = _swapped(coder, subtask, stages, few_rows, "nrw", layout="column", narrow=True)
     return [] if cand is None else [cand]
+
+
+# The lean launch is offered for short rows in plenty: at most LEAN_MAX_K elements, and
+# rows enough for 32 a block on every SM (a softmax or logsumexp over the channels of an
+# NCHW value). Not for a BatchNorm's channels as rows (few rows: its launch was tuned
+# with the narrow and split alternatives), nor for a split's partial sums (only a split's
+# last stage, the reduction that normalises, is offered it).
+LEAN_MAX_K = 256
+
+
+def lean_columns(coder: Any, subtask: Subtask, stages: list[Stage], name: str | None = None,
+                 outputs: list[str] | None = None, last_only: bool = False) -> list[Candidate]:
+    """The candidate of ``stages`` (the template's, or, ``last_only``, a split-statistics
+    alternative's named ``name`` with region outputs ``outputs``) again with each of its
+    column-layout reductions over short rows in plenty (``LEAN_MAX_K``) launched ``lean``
+    (``FusedKernel.lean``: LEAN_CHUNKS elements a thread and pass, fewer threads a row);
+    none where no kernel is such. The kernels are the template's, renamed (``_ln``): only
+    the launch differs, and the Verifier keeps the faster."""
+    from stitch_backend.codegen.fused import column_shape
+
+    def short_rows(kernel: Any) -> bool:
+        ir, em = getattr(kernel, "ir", None), getattr(kernel, "emitted", None)
+        if ir is None or em is None or em.layout != "column" or kernel.narrow or kernel.lean:
+            return False
+        rows, n = sympy.Mul(*ir.domain.row_extents), sympy.Mul(*ir.domain.red_extents)
+        if not (rows.is_Integer and n.is_Integer and int(n) <= LEAN_MAX_K
+                and int(rows) >= 32 * coder.sm_count):
+            return False
+        return (column_shape(int(rows), int(n), coder.sm_count)
+                != column_shape(int(rows), int(n), coder.sm_count, lean=True))
+
+    eligible = [s for s in (stages[-1:] if last_only else stages)
+                if s.kernel is not None and short_rows(s.kernel)]
+    if not eligible:
+        return []
+    swapped = [Stage(s.region, module=s.module,
+                     kernel=dataclasses.replace(s.kernel.renamed(f"{s.kernel.name}_ln"), lean=True))
+               if any(s is e for e in eligible) else s for s in stages]
+    return [coder._candidate(subtask, f"{name or subtask.region_name}_ln", swapped,
+                             list(outputs if outputs is not None else subtask.region.outputs))]
 
 
 # Rows of at least this many elements get the single-pass statistics alternative: 64 KB
@@ -149,4 +191,5 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                             list(subtask.region.outputs))
 
 
-__all__ = ["cluster_rows", "narrow_columns", "row_write_layouts", "single_pass_stats"]
+__all__ = ["cluster_rows", "lean_columns", "narrow_columns", "row_write_layouts",
+           "single_pass_stats"]

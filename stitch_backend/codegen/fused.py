@@ -150,6 +150,38 @@ def launch_plan(layout: Layout, inputs: Sequence[torch.Tensor | int]) -> "Launch
                       tuple(scratch), read)
 
 
+# Elements a thread takes in each pass over a row in a lean column launch. The template's
+# 4 spread a short row over many threads: KernelBench L2 92's logsumexp over 64 channels
+# (after a group norm, tanh and hardswish, recomputed in each of its two passes) takes 16
+# threads a row, each reading 4 values and then combining 16 partial values from shared
+# memory between two barriers, twice. The split candidate that ends in that kernel took
+# 1.59 ms on an H100, where moving its bytes once takes about 0.35 ms. Reasoned, not yet
+# measured: the Verifier races the lean launch against the template's.
+LEAN_CHUNKS = 16
+
+
+def column_shape(rows: int, reduce_len: int, sm_count: int, *, narrow: bool = False,
+                 lean: bool = False) -> tuple[int, int]:
+    """(rows a block, threads a row) of a column-layout reduction's launch."""
+    # 32 consecutive rows per block coalesce best; with few rows, 8 (one 32-byte sector
+    # of fp32) leaves more blocks for the SMs.
+    rb = 32 if rows >= 32 * sm_count else 8
+    if narrow:
+        # fewer rows a block, down to one, until the blocks cover the SMs: a warp then
+        # reads scattered rows (a sector for each element), which only pays where the
+        # value is small enough to stay in L2 (the Verifier races this against the
+        # template's launch)
+        while rb > 1 and rows < rb * sm_count:
+            rb //= 2
+    rb = min(rb, _pow2_at_least(max(rows, 1)))
+    tk = _pow2_at_least(max(1, _cdiv(reduce_len, LEAN_CHUNKS if lean else 4)))
+    tk = max(min(tk, MAX_THREADS // rb), max(1, 32 // rb))
+    # Short rows in plenty (a pooling window): more rows a block, not one warp.
+    while rb * tk < 128 and rows >= 4 * rb * sm_count:
+        rb *= 2
+    return rb, tk
+
+
 def _pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
@@ -176,6 +208,10 @@ class FusedKernel:
     # column layout: as many blocks as the rows allow (``launch_shape``), an alternative
     # the Coder offers beside the template's launch (agents.launch_alternatives.narrow_columns)
     narrow: bool = False
+    # column layout: LEAN_CHUNKS elements a thread and pass rather than 4 (fewer threads a
+    # row, so fewer partial values to combine across the block after each pass; the
+    # Coder's alternative agents.launch_alternatives.lean_columns)
+    lean: bool = False
     _layouts: dict = field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -237,22 +273,8 @@ class FusedKernel:
             # layer norm 65536x768 0.112 vs 0.124; no shape measured slower.
             return min(_cdiv(max(rows, 1), rb), MAX_ROW_BLOCKS), threads, tk.bit_length() - 1
         else:
-            # 32 consecutive rows per block coalesce best; with few rows, 8 (one 32-byte
-            # sector of fp32) leaves more blocks for the SMs.
-            rb = 32 if rows >= 32 * self.sm_count else 8
-            if self.narrow:
-                # fewer rows a block, down to one, until the blocks cover the SMs: a
-                # warp then reads scattered rows (a sector for each element), which only
-                # pays where the value is small enough to stay in L2 (the Verifier races
-                # this against the template's launch)
-                while rb > 1 and rows < rb * self.sm_count:
-                    rb //= 2
-            rb = min(rb, _pow2_at_least(max(rows, 1)))
-            tk = _pow2_at_least(max(1, _cdiv(reduce_len, 4)))
-            tk = max(min(tk, MAX_THREADS // rb), max(1, 32 // rb))
-            # Short rows in plenty (a pooling window): more rows a block, not one warp.
-            while rb * tk < 128 and rows >= 4 * rb * self.sm_count:
-                rb *= 2
+            rb, tk = column_shape(rows, reduce_len, self.sm_count, narrow=self.narrow,
+                                  lean=self.lean)
             threads = rb * tk
         blocks = min(_cdiv(max(rows, 1), rb), max(1, resident // threads))
         return max(blocks, 1), threads, tk.bit_length() - 1
@@ -336,5 +358,5 @@ def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
                        narrow=narrow)
 
 
-__all__ = ["FusedKernel", "LaunchPlan", "Layout", "Unsupported", "generate", "key_from_json",
-           "key_to_json", "launch_plan", "layout_key"]
+__all__ = ["FusedKernel", "LEAN_CHUNKS", "LaunchPlan", "Layout", "Unsupported", "column_shape",
+           "generate", "key_from_json", "key_to_json", "launch_plan", "layout_key"]

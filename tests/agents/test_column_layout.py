@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from stitch_backend.agents.coder import TemplateCoder
 from stitch_backend.agents.state import subtask_for
@@ -35,16 +36,24 @@ class DeconvSoftmax(nn.Module):
         return torch.sigmoid((x + self.bias) * 2.0)
 
 
-def _softmax_region(channels_last: bool):
-    # cpu_interpret turns on the channels-last pass (as on CUDA); codegen=False plans only
+def _planned_region(make, pick, channels_last: bool = False):
+    """(graph, region) of the one graph of the model ``make()`` gives with its input
+    (seeded), planned on the CPU: the region ``pick`` selects. cpu_interpret turns on
+    the channels-last pass (as on CUDA); codegen=False plans only."""
     backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last,
                                      "channels_last": channels_last})
     torch.manual_seed(0)
+    model, x = make()
     with torch.no_grad():
-        torch.compile(DeconvSoftmax(), backend=backend)(torch.randn(2, 8, 16, 16))
+        torch.compile(model, backend=backend)(x)
     (rec,) = backend.records
-    (region,) = [r for r in rec.plan.regions if "_softmax" in r.nodes]
+    (region,) = [r for r in rec.plan.regions if pick(r)]
     return rec.gm, region
+
+
+def _softmax_region(channels_last: bool):
+    return _planned_region(lambda: (DeconvSoftmax(), torch.randn(2, 8, 16, 16)),
+                           lambda r: "_softmax" in r.nodes, channels_last)
 
 
 def test_channels_last_softmax_written_nchw_gets_a_column_alternative():
@@ -129,14 +138,8 @@ class ConvBatchNorm(nn.Module):
 
 
 def _bn_region(channels: int, channels_last: bool):
-    backend = StitchBackend(options={"codegen": False, "cpu_interpret": channels_last,
-                                     "channels_last": channels_last})
-    torch.manual_seed(0)
-    with torch.no_grad():
-        torch.compile(ConvBatchNorm(channels), backend=backend)(torch.randn(2, 8, 14, 14))
-    (rec,) = backend.records
-    (region,) = [r for r in rec.plan.regions if r.kind.value == "conv"]
-    return rec.gm, region
+    return _planned_region(lambda: (ConvBatchNorm(channels), torch.randn(2, 8, 14, 14)),
+                           lambda r: r.kind.value == "conv", channels_last)
 
 
 def test_a_column_reduction_over_few_rows_gets_a_narrow_launch_alternative():
@@ -175,3 +178,85 @@ def test_no_narrow_alternative_where_the_template_fills_the_gpu():
         gm, region = _bn_region(channels, channels_last)
         cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
         assert not [a for a in cand.alternatives if a.name.endswith("_nrw")], channels
+
+
+class GroupNormLogSumExp(nn.Module):
+    """KernelBench L2 92's shape, smaller: a convolution, a group norm, tanh, hardswish, a
+    residual add and a logsumexp over the 64 channels (a column reduction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 64, 3)
+        self.norm = nn.GroupNorm(16, 64)
+
+    def forward(self, x):
+        y = self.conv(x)
+        z = y + F.hardswish(torch.tanh(self.norm(y)))
+        return torch.logsumexp(z, dim=1, keepdim=True)
+
+
+def _lse_region():
+    return _planned_region(lambda: (GroupNormLogSumExp(), torch.randn(2, 3, 14, 14)),
+                           lambda r: "native_group_norm" in r.nodes)
+
+
+def test_a_column_reduction_over_short_rows_gets_a_lean_launch_alternative(monkeypatch):
+    """The logsumexp over 64 channels of 288 positions (NCHW: a column reduction; rows in
+    plenty for a GPU of 8 SMs) launches 16 threads a row (4 values each); the Coder
+    offers the same kernels launched ``lean`` (LEAN_CHUNKS values a thread: 4 threads a
+    row) for the template and for the split-statistics alternative whose last stage it
+    is. Only the launch and the names differ, and each computes the region's outputs."""
+    from stitch_backend.codegen.fused import LEAN_CHUNKS, column_shape
+
+    gm, region = _lse_region()
+    cand = TemplateCoder(sm_count=8).propose(subtask_for(gm, region, "k"))
+    by_name = {a.name: a for a in cand.alternatives}
+    assert {"k_ln", "k_split1p_ln"} <= set(by_name)
+    inputs = region_inputs(gm, region)
+    want = region_module(gm, region)(*inputs)
+    want = list(want) if isinstance(want, (list, tuple)) else [want]
+    for base, lean in ((cand, by_name["k_ln"]), (by_name["k_split1p"], by_name["k_split1p_ln"])):
+        old = [s.kernel for s in base.stages if s.kernel is not None]
+        new = [s.kernel for s in lean.stages if s.kernel is not None]
+        changed = [(o, n) for o, n in zip(old, new) if n is not o]
+        assert changed and all(o.emitted.layout == "column" for o, _ in changed)
+        for o, n in changed:
+            assert n.lean and not o.lean and n.entry == f"{o.entry}_ln"
+            assert n.source.replace(n.entry, "E") == o.source.replace(o.entry, "E")
+            rows = 2 * 12 * 12
+            assert o.launch_shape(rows, 64)[1:] == (512, 4)          # 32 rows x 16
+            assert n.launch_shape(rows, 64)[1:] == (128, 2)          # 32 rows x 4
+        got = runner_for(lean, base=InterpretedRunner)(*inputs)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    # the launch rule: 4 values a thread, or LEAN_CHUNKS; the same where the cap binds
+    assert column_shape(100_000, 64, 132) == (32, 16)
+    assert column_shape(100_000, 64, 132, lean=True) == (32, 64 // LEAN_CHUNKS)
+    assert column_shape(100_000, 4096, 132) == column_shape(100_000, 4096, 132, lean=True)
+    # rows too few for 32 a block on each of 132 SMs, or the option off: none
+    for coder in (TemplateCoder(), TemplateCoder(sm_count=8)):
+        if coder.sm_count == 8:
+            monkeypatch.setattr(TemplateCoder, "lean_columns", False)
+        cand = coder.propose(subtask_for(gm, region, "k"))
+        assert not [a for a in cand.alternatives if a.name.endswith("_ln")]
+
+
+def test_no_lean_alternative_without_a_column_reduction():
+    """An NCHW BatchNorm reduces contiguous rows (the inner layout): nothing to launch lean."""
+    gm, region = _bn_region(128, channels_last=False)
+    cand = TemplateCoder().propose(subtask_for(gm, region, "k"))
+    assert not any(s.kernel.emitted.layout == "column" for s in cand.stages or [cand]
+                   if getattr(s, "kernel", None) is not None)
+    assert not [a for a in cand.alternatives if a.name.endswith("_ln")]
+
+
+@pytest.mark.nvcc
+def test_the_lean_alternatives_compile_for_sm90a():
+    from stitch_backend.toolchain import CompileError, CompileJob, compile_many
+
+    gm, region = _lse_region()
+    cand = TemplateCoder(sm_count=8).propose(subtask_for(gm, region, "k"))
+    lean = [a for a in cand.alternatives if a.name.endswith("_ln")]
+    assert len(lean) == 2
+    results = compile_many([CompileJob(c.source, c.name, "sm_90a") for c in lean])
+    assert not [r for r in results if isinstance(r, CompileError)], results

@@ -543,11 +543,12 @@ def test_pipeline_with_a_split_row_norm_gives_eager_results(make, shape, op):
 @pytest.mark.parametrize("make,shape,op", ONLY_REDUCED, ids=ONLY_REDUCED_IDS)
 def test_row_norm_split_compiles_for_sm90a(make, shape, op):
     """Every kernel of both split alternatives (statistics stages and the reduction's
-    normalising stage) compiles for the H200."""
+    normalising stage) compiles for the H200, and so do their lean launches' (the
+    instance norm's max over 18 columns: ``launch_alternatives.lean_columns``)."""
     rec = _graph(make().train(), torch.randn(shape))
     alts = [a for a in TemplateCoder().propose(
         subtask_for(rec.gm, _norm_region(rec, op), "k")).alternatives if "split" in a.name]
-    assert len(alts) == 2
+    assert len([a for a in alts if not a.name.endswith("_ln")]) == 2
     _assert_compile_for_sm90a(alts)
 
 
