@@ -77,6 +77,7 @@ import torch
 import torch.fx
 
 from . import cuda_driver, rng
+from .exc import brief
 from .mutations import nbytes, restored, split_outputs, write_back
 from .opclass import OpClass, classify
 from .replay_outputs import (_alias, _clone, _identical, _move_out, _tensors, _use_count,
@@ -416,12 +417,10 @@ class GraphReplay:
         before = rng.rng_state(self.random)
         try:
             expected, values = split_outputs(self.program.run_inputs(inputs), writebacks)
-        except torch.OutOfMemoryError as err:
-            # the check's run does not fit beside the graph's own buffers: no replay (its
-            # pool is freed), and this call runs uncaptured, from the same random state
-            rng.rng_set(before)
+        except torch.OutOfMemoryError as err:   # no room beside the graph's buffers:
+            rng.rng_set(before)                   # no replay, this call runs uncaptured
             self.disable("out of GPU memory for the first replay's check (an uncaptured "
-                         f"run beside the captured graph's buffers: {_first_line(err)})")
+                         f"run beside the captured graph's buffers: {brief(err)})")
             torch.cuda.empty_cache()
             raise NotCaptured(self.disabled) from None
         rng.rng_set(before)
@@ -446,13 +445,12 @@ class GraphReplay:
         del expected, values
         try:
             why = self._slower_than_uncaptured(inputs, targets)
-        except torch.OutOfMemoryError as err:
-            # the replay was checked; only its timing against running uncaptured did not fit
+        except torch.OutOfMemoryError as err:   # the replay was checked: it stays
             why = None
             torch.cuda.empty_cache()
             self.program.notes_sink.append(
                 "replay kept without timing it against running uncaptured: out of GPU memory "
-                f"for the timing runs beside the captured graph's buffers ({_first_line(err)})")
+                f"for the timing runs beside the captured graph's buffers ({brief(err)})")
         if why:
             self.disable(why)
         return outputs
@@ -573,12 +571,6 @@ def replay_disagrees(replayed: Any, expected: Any, rerun: Any | None) -> str | N
     return ("the first replay differed from the uncaptured run beyond the correctness "
             f"rule ({cmp.reason}) and beyond twice the {spread:.3g} two uncaptured runs "
             "differ by")
-
-
-def _first_line(err: BaseException) -> str:
-    """The error's type and first two sentences (torch's OOM message goes on for lines)."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"{type(err).__name__}: {'. '.join(text.split('. ')[:2])}"
 
 
 def uncaptured_wins(replay_ms: float, plain_ms: float) -> bool:

@@ -17,3 +17,10 @@ class UnsupportedDeviceError(StitchError):
 
 class ProblemLoadError(StitchError):
     """A model file or factory given on the command line could not be loaded."""
+
+
+def brief(err: BaseException) -> str:
+    """``err``'s type and the first two sentences of its first line, for a note (torch's
+    out-of-memory message goes on for lines about the allocator)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {'. '.join(text.split('. ')[:2])}"
