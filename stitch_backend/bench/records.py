@@ -48,6 +48,7 @@ class BenchRecord:
     io_bytes: int | None = None         # inputs + parameters/buffers + outputs, each once
     p10_ms: float | None = None
     p90_ms: float | None = None
+    host_ms: float | None = None        # median host time until a timed call returned
     runs: int = 0
     clock: str = ""                          # "cuda-events" or "cpu" (CPU: not a product claim)
     cold_first_call_s: float | None = None   # first call of a fresh compile, incl. compiling

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .metrics import BASELINE, FAST_P, BackendSummary, TaskResult
 from .records import OK, BenchRecord
@@ -106,6 +106,50 @@ def _hotter_card(result: TaskResult) -> list[str]:
             if r.gpu_before["temp_c"] - base >= HOTTER_C]
 
 
+def _field(name: str, spec: str) -> Callable[[BenchRecord | None], str]:
+    return lambda rec: _fmt(getattr(rec, name, None), spec)
+
+
+# The per-backend sections after the compile table: (title, intro, whether a record
+# asks for the section, its cell).
+_SECTIONS: list[tuple[str, str, Callable[[BenchRecord], bool],
+                      Callable[[BenchRecord | None], str]]] = [
+    ("Memory: MiB one call needs beyond its inputs (CUDA)", "",
+     lambda rec: rec.call_peak_mb is not None, _field("call_peak_mb", ".1f")),
+    ("Bandwidth: GB/s counting inputs, parameters and outputs once",
+     "The least traffic a call can have over its median time: a floor on the bandwidth "
+     "achieved, comparable to the copy ceiling for memory-bound problems (H200: about "
+     "4300 GB/s).",
+     lambda rec: rec.device == "cuda" and rec.gb_per_s is not None, _field("gb_per_s", ".0f")),
+    ("Host: median ms until a timed call returned (CUDA)",
+     "Its GPU work queued, not done: the call's host path (Dynamo's guards, AOTAutograd's "
+     "wrappers, the backend's own launches). Each timed run starts on an idle GPU, so the "
+     "part of it before the first launch is in the times above; `dynamo` shows Dynamo's "
+     "share.",
+     lambda rec: rec.device == "cuda" and rec.host_ms is not None, _field("host_ms", ".3f")),
+    ("GPU while timing: temperature, SM clock, power, memory",
+     "As each backend's timed runs began -> ended (NVML, the caching allocator); timed one "
+     "after another (--no-interleave), a later backend may meet a hotter, lower-clocked "
+     "card or less free memory; allocation retries are timed calls that had to return "
+     "cached memory to the driver first.",
+     lambda rec: bool(rec.gpu_before), _gpu_cell),
+]
+
+
+def _backend_table(title: str, intro: str, results: Sequence[TaskResult],
+                   backends: Sequence[str], cell: Callable[[Any], str]) -> list[str]:
+    """A section of one row a task and one column a backend, ``cell(record)`` in each
+    (the record None where the backend has none for the task)."""
+    head = ["task", *backends]
+    lines = [f"## {title}", ""] + ([intro, ""] if intro else [])
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    for r in results:
+        lines.append("| " + " | ".join([r.task, *(cell(r.records.get(b)) for b in backends)])
+                     + " |")
+    return lines + [""]
+
+
 def _header_lines(meta: dict[str, Any]) -> list[str]:
     lines = ["# stitchcuda bench", ""]
     facts = [f"{k}: {v}" for k, v in meta.items() if v not in (None, "")]
@@ -150,41 +194,10 @@ def render_markdown(results: Sequence[TaskResult], summaries: Sequence[BackendSu
         lines.append("| " + " | ".join([r.task, *(_compile_cell(r, b) for b in backends)]) + " |")
     lines.append("")
 
-    if any(rec.call_peak_mb is not None for r in results for rec in r.records.values()):
-        lines += ["## Memory: MiB one call needs beyond its inputs (CUDA)", ""]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for r in results:
-            cells = [_fmt(getattr(r.records.get(b), "call_peak_mb", None), ".1f")
-                     for b in backends]
-            lines.append("| " + " | ".join([r.task, *cells]) + " |")
-        lines.append("")
-
-    if any(rec.gb_per_s is not None and rec.device == "cuda"
-           for r in results for rec in r.records.values()):
-        lines += ["## Bandwidth: GB/s counting inputs, parameters and outputs once", "",
-                  "The least traffic a call can have over its median time: a floor on the "
-                  "bandwidth achieved, comparable to the copy ceiling for memory-bound "
-                  "problems (H200: about 4300 GB/s).", ""]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for r in results:
-            cells = [_fmt(getattr(r.records.get(b), "gb_per_s", None), ".0f") for b in backends]
-            lines.append("| " + " | ".join([r.task, *cells]) + " |")
-        lines.append("")
-
-    if any(rec.gpu_before for r in results for rec in r.records.values()):
-        lines += ["## GPU while timing: temperature, SM clock, power, memory", "",
-                  "As each backend's timed runs began -> ended (NVML, the caching allocator): "
-                  "backends are timed one after another, so a later one may meet a hotter, "
-                  "lower-clocked card or less free memory; allocation retries are timed calls "
-                  "that had to return cached memory to the driver first.", ""]
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "---|" * len(head))
-        for r in results:
-            cells = [_gpu_cell(r.records.get(b)) for b in backends]
-            lines.append("| " + " | ".join([r.task, *cells]) + " |")
-        lines.append("")
+    recs = [rec for r in results for rec in r.records.values()]
+    for title, intro, shown, cell in _SECTIONS:
+        if any(shown(rec) for rec in recs):
+            lines += _backend_table(title, intro, results, backends, cell)
 
     failed: list[tuple[str, BenchRecord]] = [
         (r.task, rec) for r in results for rec in r.records.values()

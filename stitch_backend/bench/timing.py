@@ -29,6 +29,7 @@ class Timing:
     runs: int
     warmup: int
     clock: str              # "cuda-events" or "cpu"
+    host_ms: float | None = None   # median time until a call returned (its work queued)
 
 
 class L2Flusher:
@@ -78,13 +79,17 @@ def time_call(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup:
               flusher: L2Flusher | None = None) -> Timing:
     """Time ``fn()``: ``warmup`` untimed calls, then ``runs`` timed ones; on CUDA each timed
     run is preceded by ``flusher()`` (when given) and a synchronize."""
-    return summarize(run_times(fn, device, runs=runs, warmup=warmup, flusher=flusher),
-                     warmup, device)
+    host: list[float] = []
+    return summarize(run_times(fn, device, runs=runs, warmup=warmup, flusher=flusher, host=host),
+                     warmup, device, host)
 
 
 def run_times(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup: int,
-              flusher: L2Flusher | None = None) -> list[float]:
-    """The milliseconds of each of ``runs`` timed calls, as ``time_call`` takes them."""
+              flusher: L2Flusher | None = None, host: list[float] | None = None) -> list[float]:
+    """The milliseconds of each of ``runs`` timed calls, as ``time_call`` takes them;
+    ``host`` (when given) gets each call's host milliseconds, until it returned: on CUDA
+    its work is then queued, not done, so this is the call's host path (guards,
+    wrappers, launches), the part of the timing the GPU may wait for."""
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     for _ in range(warmup):
@@ -98,23 +103,31 @@ def run_times(fn: Callable[[], Any], device: torch.device, *, runs: int, warmup:
             end = torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            returned = time.perf_counter()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
+            if host is not None:
+                host.append((returned - t0) * 1e3)
     else:
         for _ in range(runs):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+        if host is not None:
+            host += times[-runs:]
     return times
 
 
-def summarize(times: list[float], warmup: int, device: torch.device) -> Timing:
-    """Median and spread of ``times`` (milliseconds)."""
+def summarize(times: list[float], warmup: int, device: torch.device,
+              host: list[float] | None = None) -> Timing:
+    """Median and spread of ``times`` (milliseconds); the median of ``host``, if any."""
     return Timing(median_ms=statistics.median(times), p10_ms=percentile(times, 10),
                   p90_ms=percentile(times, 90), runs=len(times), warmup=warmup,
-                  clock="cuda-events" if device.type == "cuda" else "cpu")
+                  clock="cuda-events" if device.type == "cuda" else "cpu",
+                  host_ms=statistics.median(host) if host else None)
 
 
 def time_first_call(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:

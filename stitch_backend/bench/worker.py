@@ -379,7 +379,8 @@ def run_backend(name: str, problem: Problem, refs: References, cfg: TaskConfig,
         timing = time_call(ready.call, device, runs=cfg.runs, warmup=cfg.warmup, flusher=flusher)
         ready.fields.update(gpu_before=before, gpu_after=gpu_state(device),
                             median_ms=timing.median_ms, p10_ms=timing.p10_ms,
-                            p90_ms=timing.p90_ms, runs=timing.runs, clock=timing.clock)
+                            p90_ms=timing.p90_ms, runs=timing.runs, clock=timing.clock,
+                            host_ms=timing.host_ms)
         return _finish(ready, refs, cfg, device)
 
 
@@ -421,18 +422,20 @@ def time_interleaved(ready: list[Ready], cfg: TaskConfig, device: torch.device,
     rounds = max(1, min(INTERLEAVE_ROUNDS, cfg.runs // INTERLEAVE_MIN_RUNS))
     share = [cfg.runs // rounds + (1 if i < cfg.runs % rounds else 0) for i in range(rounds)]
     times: dict[str, list[float]] = {r.name: [] for r in ready}
+    host: dict[str, list[float]] = {r.name: [] for r in ready}
     with turn:
         before = gpu_state(device)
         for i, runs in enumerate(share):
             for r in ready[i % len(ready):] + ready[:i % len(ready)]:
                 times[r.name] += run_times(r.call, device, runs=runs,
-                                           warmup=cfg.warmup if i == 0 else 1, flusher=flusher)
+                                           warmup=cfg.warmup if i == 0 else 1, flusher=flusher,
+                                           host=host[r.name])
         after = gpu_state(device)
     for r in ready:
-        timing = summarize(times[r.name], cfg.warmup, device)
+        timing = summarize(times[r.name], cfg.warmup, device, host[r.name])
         r.fields.update(gpu_before=before, gpu_after=after, median_ms=timing.median_ms,
                         p10_ms=timing.p10_ms, p90_ms=timing.p90_ms, runs=timing.runs,
-                        clock=timing.clock, timing_rounds=rounds)
+                        clock=timing.clock, timing_rounds=rounds, host_ms=timing.host_ms)
 
 
 def _backend_share(records: list[Any] | None) -> dict[str, Any]:

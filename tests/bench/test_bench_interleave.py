@@ -62,9 +62,9 @@ def test_interleaved_timing_compiles_all_then_rotates_the_backends(monkeypatch):
         resets.append(1)
         real_reset()
 
-    def run_times(fn, device, *, runs, warmup, flusher=None):
+    def run_times(fn, device, *, runs, warmup, **kw):
         calls.append((fn, runs))
-        return real_times(fn, device, runs=runs, warmup=warmup, flusher=flusher)
+        return real_times(fn, device, runs=runs, warmup=warmup, **kw)
 
     monkeypatch.setattr(torch._dynamo, "reset", reset)
     monkeypatch.setattr(worker, "run_times", run_times)
@@ -77,6 +77,7 @@ def test_interleaved_timing_compiles_all_then_rotates_the_backends(monkeypatch):
     assert [r.backend for r in records] == ["eager", "aot_eager"]
     assert all(r.status == "ok" and r.correct_design for r in records), records
     assert all(r.runs == 7 and r.timing_rounds == 2 and r.median_ms > 0 for r in records)
+    assert all(0 < r.host_ms for r in records)       # on the CPU: the whole call
     assert len(resets) == 1
     eager, aot = calls[0][0], calls[1][0]
     assert eager is not aot
@@ -114,6 +115,9 @@ def test_interleaved_timing_of_eager_inductor_and_stitchcuda_on_the_gpu():
         [(r.backend, r.reason) for r in records]
     assert all(r.timing_rounds == 4 and r.runs == 12 for r in records)
     assert all(r.gpu_before and "free_gib" in r.gpu_after for r in records)
+    # the host's part: until the call returned, its GPU work queued (within the call)
+    assert all(0 < r.host_ms <= r.median_ms * 1.5 for r in records), \
+        [(r.backend, r.host_ms, r.median_ms) for r in records]
     stitched = records[2].backend_records
     assert stitched and stitched[0]["counts"]["generated"] >= 1
 

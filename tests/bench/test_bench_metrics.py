@@ -99,6 +99,24 @@ def test_bandwidth_table_for_cuda_records():
     assert BenchRecord.from_dict({**recs[0].__dict__, "io_bytes": None}).gb_per_s is None
 
 
+def test_host_table_for_cuda_records():
+    """The host's part of a timed call (until it returned) gets a table of its own on
+    CUDA; a backend without it shows a dash; CPU records (all host) get none."""
+    from stitch_backend.bench.report import render_markdown
+
+    recs = [rec("gemm", b, ms) for b, ms in (("eager", 2.8), ("dynamo", 2.9), ("x", 2.85))]
+    for r, host in zip(recs, (0.021, 0.094, None)):
+        r.device, r.host_ms = "cuda", host
+    results = latest_runs(recs)
+    names = ["eager", "dynamo", "x"]
+    md = render_markdown(results, summarise(results, names), names, {})
+    table = md.split("## Host")[1].split("\n## ")[0]
+    assert "| gemm | 0.021 | 0.094 | — |" in table
+    for r in recs:
+        r.device = "cpu"
+    assert "## Host" not in render_markdown(results, summarise(results, names), names, {})
+
+
 def test_graphs_run_as_traced_are_named_in_the_task_notes():
     from stitch_backend.bench.report import render_markdown
 
