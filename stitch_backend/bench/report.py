@@ -167,7 +167,9 @@ def _header_lines(meta: dict[str, Any]) -> list[str]:
                   "held its GPU for references, checks, timing and GPU-timing compiles "
                   "(stitchcuda), so no two timings overlapped; host-only compiles (Inductor) "
                   "overlapped other tasks' turns, and every compile time was measured with "
-                  "other tasks' compiles competing for the CPU.", ""]
+                  "other tasks' compiles competing for the CPU. Their work on the CPU (imports, "
+                  "inputs, compiles) may also slow a timed call's host path, which is inside "
+                  "its time (the Host table); --jobs 1 times calls without it.", ""]
     if meta.get("device") == "cpu":
         lines += ["Timed on CPU (time.perf_counter, few runs): these numbers test the harness, "
                   "they are not the product's claim.", ""]
