@@ -55,8 +55,8 @@ def narrow_columns(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Ca
         rows = sympy.Mul(*kernel.ir.domain.row_extents)
         return bool(rows.is_Integer) and int(rows) < 8 * coder.sm_count
 
-    cand = _swapped(coder, subtask, stages, few_rows, "nrw", layout="column", narrow=True)
-    return [] if cand is None else [cand]
+    return _relaunched(coder, subtask, stages, [s for s in stages if s.kernel is not None
+                                                and few_rows(s.kernel)], "nrw", narrow=True)
 
 
 # The lean launch is offered for short rows in plenty: at most LEAN_MAX_K elements, and
@@ -90,12 +90,22 @@ def lean_columns(coder: Any, subtask: Subtask, stages: list[Stage], name: str | 
 
     eligible = [s for s in (stages[-1:] if last_only else stages)
                 if s.kernel is not None and short_rows(s.kernel)]
+    return _relaunched(coder, subtask, stages, eligible, "ln", name, outputs, lean=True)
+
+
+def _relaunched(coder: Any, subtask: Subtask, stages: list[Stage], eligible: list[Stage],
+                suffix: str, name: str | None = None, outputs: list[str] | None = None,
+                **launch: Any) -> list[Candidate]:
+    """The candidate of ``stages`` (named ``name``, the region's by default, plus
+    ``_suffix``) with the kernel of each ``eligible`` stage renamed ``_suffix`` and
+    launched with ``launch`` (``FusedKernel``'s launch flags): the same source but its
+    name, nothing generated again; none where no stage is eligible."""
     if not eligible:
         return []
-    swapped = [Stage(s.region, module=s.module,
-                     kernel=dataclasses.replace(s.kernel.renamed(f"{s.kernel.name}_ln"), lean=True))
+    swapped = [Stage(s.region, module=s.module, kernel=dataclasses.replace(
+                   s.kernel.renamed(f"{s.kernel.name}_{suffix}"), **launch))
                if any(s is e for e in eligible) else s for s in stages]
-    return [coder._candidate(subtask, f"{name or subtask.region_name}_ln", swapped,
+    return [coder._candidate(subtask, f"{name or subtask.region_name}_{suffix}", swapped,
                              list(outputs if outputs is not None else subtask.region.outputs))]
 
 
