@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from .emit_expr import CTYPE, ExprEmitter, Scope, VectorChunk, eligible_vector_access
+from .emit_expr import CTYPE, ExprEmitter, IssuedLoad, Scope, VectorChunk, eligible_vector_access
 from . import indexing as ix
 from .kernel_ir import KernelIR, Load, Store
 
@@ -341,12 +341,15 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
             scope.lines.append(f"{ind}const {vt} {name} = {slot.format(name=name)};")
             continue
         off = em.index(load.offset.xreplace({var: b0}), scope)
-        value = f"sfk_ldv<{vec}>({load.buf} + {off})"
+        value = raw = f"sfk_ldv<{vec}>({load.buf} + {off})"
+        fill = None
         if cached.get(name) == "fill":
-            value = f"({slot.format(name=name)} = {value})"
+            fill = slot.format(name=name)
+            value = f"({fill} = {value})"
         else:
             loaded[name] = len(scope.lines)
         scope.lines.append(f"{ind}const {vt} {name} = {value};")
+        scope.issued.append(IssuedLoad(scope.lines[-1], name, vt, raw, fill))
     for st, name in vstores.items():
         scope.lines.append(f"{ind}sfk_vec<{k.ptr[k.out_names[st.out]]}, {vec}> {name};")
     inner = Scope(scope, {var, sympy.Symbol("v")}, ind + "  ")
@@ -361,6 +364,7 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     text = "\n".join(inner.render())
     unread = {loaded[n] for n in loaded if f"{n}.v[" not in text}
     scope.lines[:] = [line for i, line in enumerate(scope.lines) if i not in unread]
+    scope.issued = [ld for ld in scope.issued if ld.line in scope.lines]
     scope.lines += [f"{ind}#pragma unroll", f"{ind}for (int v = 0; v < {vec}; ++v) {{"]
     scope.lines += inner.render()
     scope.lines.append(f"{ind}}}")

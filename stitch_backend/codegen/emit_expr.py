@@ -51,6 +51,18 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class IssuedLoad:
+    """One vector load line of a chunk: ``const VT NAME = VALUE;``, or with ``fill`` the
+    slot it also keeps the chunk in (``const VT NAME = (FILL = VALUE);``)."""
+
+    line: str
+    name: str
+    vt: str
+    value: str
+    fill: str | None = None
+
+
 class Scope:
     """One loop level: the variables it defines and the lines declared in it."""
 
@@ -62,6 +74,9 @@ class Scope:
         self.lines: list[str] = []
         self.names: dict = {}
         self.vector = False
+        # the global vector loads a chunk issues (``emit_cuda._vector_chunk``): their
+        # lines, to batch ahead of their use (``emit_reduction``'s cluster layout)
+        self.issued: list[IssuedLoad] = []
         # the innermost side of an ``if`` this scope is in (``ExprEmitter._branches``)
         self.branch: Scope | None = parent.branch if parent is not None else None
 

@@ -18,7 +18,7 @@ import sympy
 
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
-from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
+from .emit_expr import ExprEmitter, IssuedLoad, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
@@ -150,6 +150,11 @@ def stores_across_rows(ir: KernelIR) -> bool:
 # division, clamps and bounds checks, and the generated kernel took 15.27 ms on the
 # H200 against ATen's 10.84 (which also writes int64 indices).
 SERIAL_MAX_K = 32
+# Chunks whose global loads a cluster-layout pass issues together (``_batched_loop``): a
+# cluster's block holds one row share an SM (its shared memory), so its 1024 threads are
+# all the loads in flight there.
+BATCH = 4
+
 
 def why_not_cluster(ir: KernelIR) -> str | None:
     """Why ``ir`` cannot take the ``cluster`` layout; None where it can."""
@@ -396,10 +401,11 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 text.append(f"{ind}#pragma unroll")
                 text.append(f"{ind}for ({IDX} k0 = 0; k0 < {serial}; ++k0) {{")
             else:
-                # unrolled so that several chunks' loads are in flight before the first is used
-                text.append(f"{ind}#pragma unroll 4")
-                text.append(f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
-                            f"k0 += ({IDX})TK * {vec}) {{")
+                # unrolled so that several chunks' loads are in flight before the first is
+                # used, where the body lets the compiler move them (see _batched_loop)
+                header = [f"{ind}#pragma unroll 4",
+                          f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
+                          f"k0 += ({IDX})TK * {vec}) {{"]
             chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
         var = d.red_vars[-1] if d.red_vars else None
@@ -440,13 +446,70 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 with kept_scalars(em, kept, "k0 - kb", set(d.red_vars)):
                     body(el)
                 chunk.lines += el.render()
-        text += chunk.render()
-        if persistent:
-            text.append(f"{ind}  }}")
-        text.append(f"{ind}}}")
+        if persistent or serial is not None:
+            text += chunk.render()
+            if persistent:
+                text.append(f"{ind}  }}")
+            text.append(f"{ind}}}")
+        elif vector and kept is not None and batched_width(chunk.issued):
+            text += _batched_loop(IDX, chunk, vec, span, ind)
+        else:
+            text += header + chunk.render() + [f"{ind}}}"]
     if has_vec:
         text.append("    }")
     row.lines += text
+
+
+def batched_width(issued: list[IssuedLoad]) -> int:
+    """How many chunks' global loads ``_batched_loop`` issues before using the first:
+    BATCH, fewer where the chunk has more than two vector loads (their registers); 0
+    where it has none (a pass that reads the row from shared memory)."""
+    n = len(issued)
+    return 0 if n == 0 else max(1, BATCH * 2 // max(n, 2))
+
+
+def _batched_loop(IDX: str, chunk: Scope, vec: int, span: tuple[str, str], ind: str) -> list[str]:
+    """The pass's loop over its chunks with the global loads of U = ``batched_width``
+    chunks issued together, then used: ``#pragma unroll 4`` alone left one 16-byte load
+    in flight a thread (the loop's exit test between chunks, and a softmax's online
+    maximum branching in each, keep the compiler from moving the next chunk's load up;
+    seen in the SASS of L1 23's cluster kernel). Whole groups of U chunks first, the last
+    chunks one at a time. Where a line before the last load is not a constant definition
+    (the chunk's index arithmetic), the plain loop."""
+    lines = chunk.render()
+    width = batched_width(chunk.issued)
+    by_line = {ld.line: ld for ld in chunk.issued}
+    last = max(i for i, line in enumerate(lines) if line in by_line)
+    if width < 2 or not all(line.lstrip().startswith("const ") for line in lines[:last + 1]):
+        return ([f"{ind}#pragma unroll 4",
+                 f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
+                 f"k0 += ({IDX})TK * {vec}) {{"] + lines + [f"{ind}}}"])
+    step = f"({IDX})TK * {vec}"
+    fetch, use = [], []
+    for i, line in enumerate(lines):
+        ld = by_line.get(line)
+        lead = line[:len(line) - len(line.lstrip())] + "  "
+        if ld is None:
+            use.append("  " + line)
+            if i <= last:
+                fetch.append("  " + line)
+            continue
+        fetch.append(f"{lead}pf_{ld.name}[u] = {ld.value};")
+        got = f"pf_{ld.name}[u]" if ld.fill is None else f"({ld.fill} = pf_{ld.name}[u])"
+        use.append(f"{lead}const {ld.vt} {ld.name} = {got};")
+    out = [f"{ind}{IDX} kq = {span[0]}({IDX})tk * {vec};",
+           f"{ind}for (; kq + {width - 1} * {step} < {span[1]}; kq += {width} * {step}) {{"]
+    out += [f"{ind}  {ld.vt} pf_{ld.name}[{width}];" for ld in chunk.issued]
+    for body in (fetch, use):
+        out += [f"{ind}  #pragma unroll", f"{ind}  for (int u = 0; u < {width}; ++u) {{",
+                f"{ind}    const {IDX} k0 = kq + ({IDX})u * {step};"]
+        out += body
+        out.append(f"{ind}  }}")
+    out.append(f"{ind}}}")
+    out.append(f"{ind}for ({IDX} k0 = kq; k0 < {span[1]}; k0 += {step}) {{")
+    out += lines
+    out.append(f"{ind}}}")
+    return out
 
 
 def _outer_stage(k: _Kernel, ir: KernelIR, em) -> list[str]:

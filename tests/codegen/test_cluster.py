@@ -67,7 +67,10 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
     src = ln.source
     assert f"__cluster_dims__({CLUSTER}, 1, 1)" in src
     assert src.count("sfk_cluster_reduce<") == len(ln.ir.inner_reductions) >= 2
-    assert src.count("k0 = kb + ") == src.count("for (int k0") > 0
+    # every loop over the row starts in the block's share: at kb, or where the first
+    # pass's batched chunks (_batched_loop, which starts at kb) stopped
+    assert src.count("k0 = kb + ") + src.count("k0 = kq;") == src.count("for (int k0") > 0
+    assert src.count("kq = kb + ") == src.count("k0 = kq;") == 1
     assert "k0 < Kr" not in src
     assert src.rstrip().endswith("sfk_cluster_sync();\n}") or \
         src.rstrip().splitlines()[-2].strip() == "sfk_cluster_sync();"
@@ -76,7 +79,8 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
     # the block's share of x (50000 / 8, whole chunks of 4) is kept in shared memory by
     # the first pass and read from there by the two later ones
     assert ln.emitted.shared_mem == 6252 * 4 == ln.prepare([x]).shared_mem
-    assert src.count("(sfk_rb_") == 1 and src.count("= sfk_rb_") == 2
+    # (the first pass keeps its chunks in two places: its batched loop and the rest)
+    assert src.count("(sfk_rb_") == 2 and src.count("= sfk_rb_") == 2
     # rows of 33333 (odd: no vector path): each element's value kept in its compute type
     odd = generate(_trace(lambda a: F.layer_norm(a, (33333,)), torch.randn(2, 33333)), "odd_cl",
                    layout="cluster")
@@ -92,6 +96,31 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
     # rows in plenty: the grid stays a whole number of clusters
     assert generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(3, 512)), "s_cl",
                     layout="cluster").launch_shape(3000, 512)[0] % CLUSTER == 0
+
+
+def test_a_cluster_pass_that_reads_memory_issues_several_chunks_loads_before_using_them():
+    """A cluster block holds one share of a row an SM, so the loads of its first pass are
+    all that SM has in flight: that pass loads BATCH chunks into registers, then uses
+    them (keeps them in shared memory, adds them up), then takes the rest one chunk at a
+    time. The later pass reads shared memory, and is not batched. A chunk with three
+    loads batches two chunks (their registers)."""
+    from stitch_backend.codegen.emit_expr import IssuedLoad
+    from stitch_backend.codegen.emit_reduction import BATCH, batched_width
+
+    sm = generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(2, 200000)), "sm_cl",
+                  layout="cluster")
+    src = sm.source
+    assert f"sfk_vec<float, 4> pf_vin0_0[{BATCH}];" in src and src.count("pf_vin0_0[") == 3
+    batched = src.index(f"kq + {BATCH - 1} * (int)TK * 4 < ke")
+    fetch = src.index("pf_vin0_0[u] = sfk_ldv<4>(in0 + ", batched)
+    use = src.index("(sfk_rb_vin0_0[(k0 - kb) / 4] = pf_vin0_0[u])", fetch)
+    rest = src.index("for (int k0 = kq; k0 < ke;", use)
+    assert src.index("sfk_online_add", batched) > use and src.count("sfk_ldv<4>") == 2
+    assert "sfk_ldv" not in src[src.index("sfk_cluster_reduce<"):]   # the write pass: shared memory
+    assert batched < fetch < use < rest
+    assert toolchain.compile_cubin(src, sm.entry, "sm_90a").cubin
+    loads = [IssuedLoad(f"l{i}", f"v{i}", "sfk_vec<float, 4>", "") for i in range(4)]
+    assert [batched_width(loads[:n]) for n in range(5)] == [0, BATCH, BATCH, BATCH // 2, BATCH // 2]
 
 
 def test_the_cluster_layout_applies_to_rows_read_along_their_reduced_index_only():
@@ -167,6 +196,10 @@ GPU_CASES = {
     "l2_norm": (lambda a: a / torch.norm(a, p=2, dim=1, keepdim=True), (7, 20000), torch.float32),
     "argmax": (lambda a: torch.argmax(a, 1), (9, 30001), torch.float32),
     "short_rows": (lambda a: torch.softmax(a, 1), (300, 20), torch.float32),
+    # shares long enough for the first pass's batched chunks (4 of 1024 threads' chunks),
+    # and a rest after them
+    "softmax_batched": (lambda a: torch.softmax(a, 1), (3, 200000), torch.float32),
+    "log_softmax_f16_batched": (lambda a: torch.log_softmax(a, 1), (2, 300000), torch.float16),
     "bf16_sum": (lambda a: a.sum(-1), (2, 3, 70000), torch.bfloat16),
 }
 
