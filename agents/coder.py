@@ -20,7 +20,7 @@ from stitch_backend.ir import Region, RegionKind
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import CONSTANT, region_module, split_anchor
 
-from . import gemm_prologue, launch_alternatives
+from . import conv_fold, gemm_prologue, launch_alternatives
 from .state import Candidate, Stage, Subtask
 
 log = logging.getLogger("stitch_backend.agents.coder")
@@ -83,7 +83,7 @@ class TemplateCoder:
         region = subtask.region
         lead: list[Stage] = []
         part = region
-        library = None
+        library = folded = None
         conv_tag = None    # the generated convolution's tag, where it is the alternative
         if subtask.kind == "gemm":
             pro = gemm_prologue.prologue_names(subtask.graph, region)
@@ -105,6 +105,7 @@ class TemplateCoder:
             if subtask.kind == "conv":
                 library, conv_tag = self._conv_kernel_alternative(subtask, head,
                                                                   stages[len(lead):])
+                folded = conv_fold.propose(self, subtask, head, part)
         elif subtask.kind == "fused":
             stages = self._kernel_stages(subtask, region.nodes, "region")
         else:
@@ -126,6 +127,8 @@ class TemplateCoder:
             for split in splits:   # its last stage, where that is the reduction that normalises
                 cand.alternatives += launch_alternatives.lean_columns(
                     self, subtask, split.stages, split.name, split.region_outputs, last_only=True)
+        if folded is not None:
+            cand.alternatives.append(folded)
         if library is not None:
             cand.alternatives.append(library)
             if conv_tag is not None:   # a generated convolution: split statistics after it too
@@ -197,19 +200,7 @@ class TemplateCoder:
         graph.lint()
         stages = [Stage(sub, module=torch.fx.GraphModule(module, graph,
                                                          class_name=f"{subtask.region_name}_lt"))]
-        done = set(taken) | {n.name for n in chain}
-        rest = [n for n in part.nodes if n not in done]
-        if rest:
-            rest_stages: list[Stage] = []
-            if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
-                try:
-                    rest_stages = self._kernel_stages(subtask, rest, "epilogue")
-                except NoCandidate:
-                    pass
-            if not rest_stages:   # views alone, or nothing that generates: ATen
-                rest_sub = sub_region(gm, rest, subtask.region_id, 801)
-                rest_stages = [Stage(rest_sub, module=region_module(gm, rest_sub))]
-            stages += rest_stages
+        stages += self.rest_stages(subtask, part, set(taken) | {n.name for n in chain}, 801)
         kernels = [st.kernel for st in stages if st.kernel is not None]
         # The source names what runs (the cache finds a stored winner by its hash) and
         # compiles as the epilogue's kernels, if any.
@@ -225,6 +216,23 @@ class TemplateCoder:
                          signature=kernels[0].signature if kernels else "", stages=stages,
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs))
+
+    def rest_stages(self, subtask: Subtask, part: Region, done: set[str], index: int
+                    ) -> list[Stage]:
+        """Stages for the nodes of epilogue ``part`` not in ``done`` (a library call took
+        those): kernels where they generate, else ATen (sub-region ``index``); [] if none."""
+        gm = subtask.graph
+        nodes = {n.name: n for n in gm.graph.nodes}
+        rest = [n for n in part.nodes if n not in done]
+        if not rest:
+            return []
+        if any(classify(nodes[n]) is not OpClass.VIEW for n in rest):
+            try:
+                return self._kernel_stages(subtask, rest, "epilogue")
+            except NoCandidate:
+                pass
+        rest_sub = sub_region(gm, rest, subtask.region_id, index)   # views alone, or ATen
+        return [Stage(rest_sub, module=region_module(gm, rest_sub))]
 
     def _lt_bias_grad(self, subtask: Subtask) -> Candidate | None:
         """A Linear's weight and bias gradients (``mm(t(g), x)`` and ``sum(g, [0])``, which
