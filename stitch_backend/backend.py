@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from . import config as config_mod
-from . import gc_pause, logs
+from . import aot_direct, gc_pause, logs
 from .decompositions import decomposition_table
 from .exc import InvalidOptionError
 from .graph import GraphKey, graph_key
@@ -119,6 +119,9 @@ class StitchBackend:
         self.trajectories: list[Any] = []
         self.failures: list[str] = []   # graphs the backend could not compile (run on ATen)
         self.dynamo_graphs = 0
+        # Dynamo graph -> its inference graph's compiled callable, why it needs
+        # AOTAutograd's runtime wrapper (None: it does not), its argument count
+        self._inference: dict[int, tuple[Callable, str | None, int]] = {}
 
     # Dynamo calls this once per captured graph.
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -139,7 +142,9 @@ class StitchBackend:
             # when replayed, instead of AOTAutograd's Python copy per buffer (mutations.py).
             keep_inference_input_mutations=True,
         )
-        compiled = aot(gm, example_inputs)
+        compiled = aot_direct.unwrapped(
+            aot(gm, example_inputs), self._inference.pop(dynamo_graph, None), len(example_inputs),
+            [r for r in self.records if r.dynamo_graph == dynamo_graph])
         return self._guarded(gm, compiled, dynamo_graph)
 
     def _guarded(self, gm: torch.fx.GraphModule, compiled: Callable,
@@ -166,6 +171,14 @@ class StitchBackend:
 
     def _compile(self, stage: str, gm: torch.fx.GraphModule, example_inputs: list[Any],
                  dynamo_graph: int = -1) -> Callable:
+        compiled = self._compile_or_traced(stage, gm, example_inputs, dynamo_graph)
+        if stage == "inference":
+            self._inference[dynamo_graph] = (compiled, aot_direct.why_not(gm, example_inputs),
+                                             len(example_inputs))
+        return compiled
+
+    def _compile_or_traced(self, stage: str, gm: torch.fx.GraphModule,
+                           example_inputs: list[Any], dynamo_graph: int) -> Callable:
         try:
             with gc_pause.paused():
                 functional, writebacks = strip_input_mutations(gm)

@@ -59,7 +59,9 @@ class FoldChain:
 
     @property
     def what(self) -> str:
-        return "cudnn_convolution_add_relu" if self.residual is not None else "cudnn_convolution_relu"
+        """The cuDNN call that replaces the chain."""
+        add = "_add" if self.residual is not None else ""
+        return f"cudnn_convolution{add}_relu"
 
 
 def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -1,7 +1,10 @@
 """Host time per call of a Program that runs uncaptured: a stack of small blocks (60
 regions inference, 269 with the backward) whose ops are tiny, so the time is nearly all
 host work. Compares eager, aot_eager and stitchcuda with every region on ATen
-(codegen off), run as the step loop and as the straight-line function.
+(codegen off), run as the step loop and as the straight-line function. Then one tiny
+op (KernelBench L1 12's broadcast multiply, 8 x 8) under Dynamo's eager backend and
+under stitchcuda called directly and through AOTAutograd's runtime wrapper
+(``aot_direct``).
 
     python3 -P -m stitch_backend.bench.overhead [--device cpu|cuda] [--blocks 30]
 """
@@ -69,7 +72,37 @@ def main(argv: list[str] | None = None) -> int:
         program_mod.STRAIGHT_LINE = True
         label = "train step" if training else "inference"
         print(f"{label:12s} " + " ".join(f"{v:{w}.3f}" for v, w in zip(row, (8, 10, 10, 9))))
+    _one_op(args.device)
     return 0
+
+
+def _one_op(device: str) -> None:
+    """Host time per call of one tiny op: eager, Dynamo's eager backend, stitchcuda
+    called directly and through AOTAutograd's runtime wrapper (each its own class, so
+    that one code object's cache holds one entry)."""
+    from stitch_backend import aot_direct
+
+    def fresh() -> torch.nn.Module:
+        class Scale(torch.nn.Module):
+            def forward(self, pair):
+                a, b = pair
+                return a.unsqueeze(1) * b
+        return Scale()
+
+    pair = (torch.rand(8, device=device), torch.rand(8, 8, device=device))
+    real = aot_direct.why_not
+    torch._dynamo.reset()
+    with torch.no_grad():
+        fns = {"eager": fresh(), "dynamo": torch.compile(fresh(), backend="eager"),
+               "direct": torch.compile(fresh(), backend=StitchBackend(options={"cache": False}))}
+        aot_direct.why_not = lambda gm, inputs: "kept for the comparison"
+        try:
+            fns["wrapped"] = torch.compile(fresh(), backend=StitchBackend(options={"cache": False}))
+            fns["wrapped"](pair)
+        finally:
+            aot_direct.why_not = real
+        row = [_best_ms(f, pair, device, calls=3000) * 1e3 for f in fns.values()]
+    print("\none op, µs a call: " + "  ".join(f"{k} {v:.1f}" for k, v in zip(fns, row)))
 
 
 if __name__ == "__main__":
