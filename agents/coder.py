@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import operator
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from stitch_backend.ir import Region, RegionKind
 from stitch_backend.opclass import CONV_OPS, GEMM_OPS, OpClass, classify
 from stitch_backend.regions import CONSTANT, region_module, split_anchor
 
-from . import conv_fold, gemm_prologue, launch_alternatives
+from . import conv_fold, gemm_prologue, launch_alternatives, lt_alternatives
 from .state import Candidate, Stage, Subtask
 
 log = logging.getLogger("stitch_backend.agents.coder")
@@ -93,14 +92,14 @@ class TemplateCoder:
             try:
                 head, part = self._split_anchor(subtask)
             except NoCandidate:
-                plain = self._lt_plain(subtask) if subtask.kind == "gemm" else None
+                plain = lt_alternatives.plain(self, subtask) if subtask.kind == "gemm" else None
                 if plain is None:
                     raise
                 return plain
             lead = [Stage(head, module=region_module(subtask.graph, head))]
             if subtask.kind == "gemm":
-                library = (self._lt_alternative(subtask, head, part)
-                           or self._lt_bias_grad(subtask))
+                library = (lt_alternatives.alternative(self, subtask, head, part)
+                           or lt_alternatives.bias_grad(self, subtask))
             stages = lead + self._epilogue_stages(subtask, part)
             if subtask.kind == "conv":
                 library, conv_tag = self._conv_kernel_alternative(subtask, head,
@@ -136,87 +135,6 @@ class TemplateCoder:
                                                         tag=f"{conv_tag}_")
         return cand
 
-    def _lt_alternative(self, subtask: Subtask, head: Region, part: Region) -> Candidate | None:
-        """cuBLASLt's fused epilogue (``stitch_backend.lt_ops``) for a 2-D addmm/mm whose
-        only user opens the epilogue (directly, or through the one view a Linear on 3-D
-        input adds) with a relu or tanh-gelu, or, after an mm, with the add of a bias row
-        (a Linear on 3-D input: mm, view, add), itself perhaps followed by one of those
-        activations; or whose value (or view) feeds tanh-gelu written out
-        (``lt_ops.tanh_gelu_chain``); or the add of a residual (``lt_ops.residual_chain``,
-        cuBLASLt's C): one library call for them, then the rest of the epilogue as usual.
-        None where that does not apply."""
-        from stitch_backend import lt_ops
-
-        gm = subtask.graph
-        nodes = {n.name: n for n in gm.graph.nodes}
-        mm = self._lt_anchor(nodes, head.nodes)
-        if mm is None:
-            return None
-        val = mm.meta["val"]
-        views = (aten.view.default, aten._unsafe_view.default)
-        view = None
-        if len(mm.users) == 1 and next(iter(mm.users)).target in views:
-            view = next(iter(mm.users))    # a Linear on 3-D input: (B*T, N) -> (B, T, N)
-        compute = [n for n in part.nodes if classify(nodes[n]) is not OpClass.VIEW]
-        chain, bias, activation = [], None, None
-        first = lt_ops.only_user(view or mm)
-        if first is not None:
-            chain, bias = lt_ops.lt_chain(mm, view or mm, first, compute)
-            activation = lt_ops.activation_epilogue(chain[-1]) if chain else None
-        if not chain:     # tanh-GELU written out (GPT-2's NewGELU), cuBLASLt's GELU
-            chain = lt_ops.tanh_gelu_chain(view or mm, compute)
-            activation = "GELU" if chain else None
-        residual = None
-        if not chain:     # a residual added to the product: cuBLASLt's C
-            chain, residual = lt_ops.residual_chain(view or mm, compute,
-                                                    set(subtask.region.inputs))
-        if not chain:
-            return None
-        act = chain[-1]
-        has_bias = mm.target is aten.addmm.default or bias is not None
-        epilogue = lt_ops.epilogue_name(activation, has_bias)
-        taken = [view.name] if view is not None else []
-        sub = sub_region(gm, list(head.nodes) + taken + [n.name for n in chain],
-                         subtask.region_id, 800)
-        module = region_module(gm, sub)
-        graph = module.graph
-        local = {n.name: n for n in graph.nodes}
-        l_mm, l_act = local[mm.name], local[act.name]
-        with graph.inserting_before(l_act):
-            call = lt_ops.lt_call(graph, l_mm, local[bias.name] if bias is not None else None,
-                                  epilogue,
-                                  local[residual.name] if residual is not None else None)
-            result = call
-            if view is not None:
-                l_view = local[view.name]
-                result = graph.call_function(l_view.target, (call, *l_view.args[1:]))
-                result.meta = dict(l_act.meta)
-        l_act.replace_all_uses_with(result)
-        for n in reversed(chain):
-            graph.erase_node(local[n.name])
-        if view is not None:
-            graph.erase_node(local[view.name])
-        graph.erase_node(l_mm)
-        graph.lint()
-        stages = [Stage(sub, module=torch.fx.GraphModule(module, graph,
-                                                         class_name=f"{subtask.region_name}_lt"))]
-        stages += self.rest_stages(subtask, part, set(taken) | {n.name for n in chain}, 801)
-        kernels = [st.kernel for st in stages if st.kernel is not None]
-        # The source names what runs (the cache finds a stored winner by its hash) and
-        # compiles as the epilogue's kernels, if any.
-        header = (f"// {subtask.region_name}_lt: cuBLASLt {mm.target}"
-                  f"{' + bias' if has_bias else ''}"
-                  f"{' + residual (C, beta 1)' if residual is not None else ''} with epilogue {epilogue} "
-                  f"({', '.join(str(n.target) for n in chain)}), "
-                  f"{tuple(val.shape)} {val.dtype}\n")
-        return Candidate(region_id=subtask.region_id, origin=self.origin,
-                         name=f"{subtask.region_name}_lt",
-                         source=header + "\n".join(k.source for k in kernels),
-                         kernel=kernels[0] if kernels else None,
-                         signature=kernels[0].signature if kernels else "", stages=stages,
-                         region_inputs=list(subtask.region.inputs),
-                         region_outputs=list(subtask.region.outputs))
-
     def rest_stages(self, subtask: Subtask, part: Region, done: set[str], index: int
                     ) -> list[Stage]:
         """Stages for the nodes of epilogue ``part`` not in ``done`` (a library call took
@@ -234,116 +152,26 @@ class TemplateCoder:
         rest_sub = sub_region(gm, rest, subtask.region_id, index)   # views alone, or ATen
         return [Stage(rest_sub, module=region_module(gm, rest_sub))]
 
-    def _lt_bias_grad(self, subtask: Subtask) -> Candidate | None:
-        """A Linear's weight and bias gradients (``mm(t(g), x)`` and ``sum(g, [0])``, which
-        the Planner puts in one region: ``planner.bias_grad_pair``) as one cuBLASLt call
-        with the BGRADB epilogue (``lt_ops.lt_mm_bgrad``): ``g`` is read once. Both
-        operands row-major; None where that does not apply."""
-        from stitch_backend import lt_ops
-
-        from .planner import bias_grad_pair
-
-        gm = subtask.graph
-        nodes = {n.name: n for n in gm.graph.nodes}
-        pair = bias_grad_pair([nodes[n] for n in subtask.region.nodes])
-        if pair is None or not self._lt_can_run(pair[0]):
-            return None
-        mm, total, g = pair
-        x = mm.args[1]
-        gv = g.meta.get("val")
-        xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        if (not isinstance(xv, torch.Tensor) or xv.dim() != 2 or xv.dtype != gv.dtype
-                or not gv.is_contiguous() or not xv.is_contiguous()):
-            return None
-        name = f"{subtask.region_name}_bg"
-        sub = sub_region(gm, list(subtask.region.nodes), subtask.region_id, 820)
-        module = region_module(gm, sub)
-        graph = module.graph
-        local = {n.name: n for n in graph.nodes}
-        l_mm, l_sum = local[mm.name], local[total.name]
-        first = next(n for n in graph.nodes if n in (l_mm, l_sum))
-        if first is l_sum and local[x.name].op != "placeholder":
-            return None     # x computed in the region after the sum: no place for the call
-        with graph.inserting_before(first):
-            call = graph.call_function(lt_ops.lt_mm_bgrad, (local[g.name], local[x.name]))
-            product = graph.call_function(operator.getitem, (call, 0))
-            product.meta = dict(l_mm.meta)
-            db = graph.call_function(operator.getitem, (call, 1))
-            sums = graph.call_function(aten.view.default,
-                                       (db, list(total.meta["val"].shape)))
-            sums.meta = dict(l_sum.meta)
-        l_mm.replace_all_uses_with(product)
-        l_sum.replace_all_uses_with(sums)
-        graph.erase_node(l_mm)
-        graph.erase_node(l_sum)
-        graph.eliminate_dead_code()
-        graph.lint()
-        header = (f"// {name}: cuBLASLt mm with epilogue BGRADB (the weight gradient and "
-                  f"sum(g, 0), the bias gradient, in one call), "
-                  f"{tuple(mm.meta['val'].shape)} {mm.meta['val'].dtype}\n")
-        return self._graph_candidate(subtask, name, header, sub, module, graph)
-
     def _graph_candidate(self, subtask: Subtask, name: str, header: str, sub: Region,
                          module: torch.fx.GraphModule, graph: torch.fx.Graph,
                          library: bool = False) -> Candidate:
         """A candidate whose one stage is ``graph`` (rewritten from ``module``, the
         region's sub-module ``sub``): library calls, no generated kernel."""
+        stage = Stage(sub, module=torch.fx.GraphModule(module, graph, class_name=name))
+        return self.headed_candidate(subtask, name, header, [stage], library)
+
+    def headed_candidate(self, subtask: Subtask, name: str, header: str, stages: list[Stage],
+                         library: bool = False) -> Candidate:
+        """A candidate of ``stages`` that open with library calls: its source is ``header``
+        (what runs: the cache finds a stored winner by its hash) and the sources of its
+        generated kernels, if any."""
+        kernels = [st.kernel for st in stages if st.kernel is not None]
         return Candidate(region_id=subtask.region_id, origin=self.origin, name=name,
-                         source=header, stages=[Stage(sub, module=torch.fx.GraphModule(
-                             module, graph, class_name=name))],
+                         source=header + "\n".join(k.source for k in kernels),
+                         kernel=kernels[0] if kernels else None,
+                         signature=kernels[0].signature if kernels else "", stages=stages,
                          region_inputs=list(subtask.region.inputs),
                          region_outputs=list(subtask.region.outputs), library=library)
-
-    def _lt_can_run(self, mm: torch.fx.Node) -> bool:
-        """Whether cuBLASLt can compute 2-D ``mm`` (an addmm's bias a row of N)."""
-        from stitch_backend import lt_ops
-
-        val = mm.meta.get("val")
-        if (not isinstance(val, torch.Tensor) or val.dim() != 2 or val.dtype not in lt_ops.DTYPES
-                or (val.device.type != "cuda" and not self.library_on_cpu) or mm.kwargs
-                or any(isinstance(s, torch.SymInt) for s in val.shape)):
-            return False
-        if mm.target is aten.addmm.default:
-            bias = mm.args[0].meta.get("val") if isinstance(mm.args[0], torch.fx.Node) else None
-            return (len(mm.args) == 3 and isinstance(bias, torch.Tensor) and bias.dim() == 1
-                    and bias.shape[0] == val.shape[1])
-        return True
-
-    def _lt_anchor(self, nodes: dict[str, torch.fx.Node], names: list[str]
-                   ) -> torch.fx.Node | None:
-        """The one addmm/mm among ``names`` when cuBLASLt can run it, else None."""
-        anchors = [nodes[n] for n in names
-                   if nodes[n].target in (aten.addmm.default, aten.mm.default)]
-        if len(anchors) != 1 or not self._lt_can_run(anchors[0]):
-            return None
-        return anchors[0]
-
-    def _lt_plain(self, subtask: Subtask) -> Candidate | None:
-        """A gemm region with no epilogue (or views alone after it) as one cuBLASLt call
-        (``lt_ops``; an addmm's bias in its BIAS epilogue), whose algorithm the first call
-        times among the heuristics' best: raced against ATen's call by the Verifier. None
-        where cuBLASLt cannot run it (then ATen's library call is the implementation)."""
-        from stitch_backend import lt_ops
-
-        gm = subtask.graph
-        mm = self._lt_anchor({n.name: n for n in gm.graph.nodes}, subtask.region.nodes)
-        if mm is None:
-            return None
-        epilogue = lt_ops.epilogue_name(None, mm.target is aten.addmm.default)
-        sub = sub_region(gm, list(subtask.region.nodes), subtask.region_id, 800)
-        module = region_module(gm, sub)
-        graph = module.graph
-        l_mm = next(n for n in graph.nodes if n.name == mm.name)
-        with graph.inserting_before(l_mm):
-            call = lt_ops.lt_call(graph, l_mm, None, epilogue)
-        l_mm.replace_all_uses_with(call)
-        graph.erase_node(l_mm)
-        graph.lint()
-        name = f"{subtask.region_name}_lt"
-        header = (f"// {name}: cuBLASLt {mm.target}{' + bias' if epilogue == 'BIAS' else ''} "
-                  f"with epilogue {epilogue}, algorithm timed at the first "
-                  f"call, {tuple(mm.meta['val'].shape)} {mm.meta['val'].dtype}\n")
-        return self._graph_candidate(subtask, name, header, sub, module, graph, library=True)
 
     def _conv_kernel_alternative(self, subtask: Subtask, head: Region, epilogue: list[Stage]
                                  ) -> tuple[Candidate | None, str | None]:

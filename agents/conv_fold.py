@@ -45,20 +45,13 @@ def propose(coder: Any, subtask: Subtask, head: Region, part: Region) -> Candida
     name = f"{subtask.region_name}_bnf"
     stages = [Stage(sub, module=torch.fx.GraphModule(module, module.graph, class_name=name))]
     stages += coder.rest_stages(subtask, part, set(names), 831)
-    kernels = [st.kernel for st in stages if st.kernel is not None]
     eps = chain.norm.args[6]
-    # The source names what runs (the cache finds a stored winner by its hash) and
-    # compiles as the rest of the epilogue's kernels, if any.
     header = (f"// {name}: eval-mode BatchNorm (eps {eps}) folded into the convolution's "
               f"weight and bias in each call, then aten.{chain.what}"
               f"{' (the residual added)' if chain.residual is not None else ''}, "
               f"{tuple(out.shape)} {out.dtype}, stride {tuple(out.stride())}\n")
-    return Candidate(region_id=subtask.region_id, origin=coder.origin, name=name,
-                     source=header + "\n".join(k.source for k in kernels),
-                     kernel=kernels[0] if kernels else None,
-                     signature=kernels[0].signature if kernels else "", stages=stages,
-                     region_inputs=list(subtask.region.inputs),
-                     region_outputs=list(subtask.region.outputs), library=not kernels)
+    return coder.headed_candidate(subtask, name, header, stages,
+                                  library=all(st.kernel is None for st in stages))
 
 
 __all__ = ["propose"]

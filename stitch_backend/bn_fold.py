@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from .lt_ops import only_user as _only_user
+from .regions import tensor_val as _val
+
 aten = torch.ops.aten
 
 NORM = aten._native_batch_norm_legit_no_training.default
@@ -62,15 +65,6 @@ class FoldChain:
         """The cuDNN call that replaces the chain."""
         add = "_add" if self.residual is not None else ""
         return f"cudnn_convolution{add}_relu"
-
-
-def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-def _val(node: object) -> torch.Tensor | None:
-    v = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _bias_of(add: torch.fx.Node, conv: torch.fx.Node, channels: int) -> torch.fx.Node | None:

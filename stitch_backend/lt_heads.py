@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .regions import tensor_val as _val
+
 aten = torch.ops.aten
 
 _PASS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -37,11 +39,6 @@ class HeadsPattern:
     output: torch.fx.Node
     perm: tuple[int, ...]
     shape: tuple[int, ...]
-
-
-def _val(node: object) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _copy_only(node: torch.fx.Node) -> bool:

@@ -101,6 +101,13 @@ def inherit_source(src: torch.fx.Node, *new: torch.fx.Node) -> None:
                 node.meta[key] = src.meta[key]
 
 
+def tensor_val(node: object) -> torch.Tensor | None:
+    """``node``'s traced value (its ``meta["val"]``) where ``node`` is an FX node whose
+    value is a tensor; else None."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def boundary(gm: torch.fx.GraphModule, names: list[str]) -> tuple[list[str], list[str]]:
     """(inputs, outputs) of the node set ``names``: values read from outside it, and its
     values read outside it (by other nodes or the graph output), each in graph order."""

@@ -451,8 +451,9 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             if persistent:
                 text.append(f"{ind}  }}")
             text.append(f"{ind}}}")
-        elif vector and kept is not None and batched_width(chunk.issued):
-            text += _batched_loop(IDX, chunk, vec, span, ind)
+        elif vector and kept is not None and (batched := _batched_loop(IDX, chunk, vec, span,
+                                                                        ind)):
+            text += batched
         else:
             text += header + chunk.render() + [f"{ind}}}"]
     if has_vec:
@@ -468,22 +469,24 @@ def batched_width(issued: list[IssuedLoad]) -> int:
     return 0 if n == 0 else max(1, BATCH * 2 // max(n, 2))
 
 
-def _batched_loop(IDX: str, chunk: Scope, vec: int, span: tuple[str, str], ind: str) -> list[str]:
+def _batched_loop(IDX: str, chunk: Scope, vec: int, span: tuple[str, str], ind: str
+                  ) -> list[str] | None:
     """The pass's loop over its chunks with the global loads of U = ``batched_width``
     chunks issued together, then used: ``#pragma unroll 4`` alone left one 16-byte load
     in flight a thread (the loop's exit test between chunks, and a softmax's online
     maximum branching in each, keep the compiler from moving the next chunk's load up;
     seen in the SASS of L1 23's cluster kernel). Whole groups of U chunks first, the last
-    chunks one at a time. Where a line before the last load is not a constant definition
-    (the chunk's index arithmetic), the plain loop."""
-    lines = chunk.render()
+    chunks one at a time. None (the plain loop) where fewer than two chunks batch, or a
+    line before the last load is not a constant definition (the chunk's index
+    arithmetic)."""
     width = batched_width(chunk.issued)
+    if width < 2:
+        return None
+    lines = chunk.render()
     by_line = {ld.line: ld for ld in chunk.issued}
     last = max(i for i, line in enumerate(lines) if line in by_line)
-    if width < 2 or not all(line.lstrip().startswith("const ") for line in lines[:last + 1]):
-        return ([f"{ind}#pragma unroll 4",
-                 f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
-                 f"k0 += ({IDX})TK * {vec}) {{"] + lines + [f"{ind}}}"])
+    if not all(line.lstrip().startswith("const ") for line in lines[:last + 1]):
+        return None
     step = f"({IDX})TK * {vec}"
     fetch, use = [], []
     for i, line in enumerate(lines):
