@@ -121,3 +121,39 @@ def summarise(results: Sequence[TaskResult], backends: Sequence[str]) -> list[Ba
             cold_first_call_s_max=max(cold) if cold else None,
         ))
     return out
+
+
+@dataclass(frozen=True)
+class MachineRun:
+    """Consecutive tasks (in the results' order) whose records name one machine: its GPU
+    (or None: a CPU run) and torch version."""
+
+    gpu: str | None
+    torch: str | None
+    first: str
+    last: str
+    tasks: int
+
+    def describe(self) -> str:
+        what = f"{self.gpu or 'no GPU'}, torch {self.torch or '?'}"
+        span = self.first if self.tasks == 1 else f"{self.first} .. {self.last}"
+        return f"{what}: {self.tasks} task(s), {span}"
+
+
+def machine_runs(results: Sequence[TaskResult]) -> list[MachineRun]:
+    """The machines ``results`` ran on, as runs of consecutive tasks: one entry for a
+    run on one machine; several where ``--resume`` went on elsewhere (every ratio is
+    still side by side within its task, but times and speedups of tasks on different
+    cards are not comparable)."""
+    out: list[MachineRun] = []
+    for r in results:
+        env = next((rec.env for rec in r.records.values() if rec.env), None)
+        if env is None:
+            continue
+        key = (env.get("gpu"), env.get("torch"))
+        if out and (out[-1].gpu, out[-1].torch) == key:
+            last = out[-1]
+            out[-1] = MachineRun(last.gpu, last.torch, last.first, r.task, last.tasks + 1)
+        else:
+            out.append(MachineRun(key[0], key[1], r.task, r.task, 1))
+    return out

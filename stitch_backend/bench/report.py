@@ -152,9 +152,15 @@ def _backend_table(title: str, intro: str, results: Sequence[TaskResult],
 
 def _header_lines(meta: dict[str, Any]) -> list[str]:
     lines = ["# stitchcuda bench", ""]
-    facts = [f"{k}: {v}" for k, v in meta.items() if v not in (None, "")]
+    facts = [f"{k}: {v}" for k, v in meta.items() if v not in (None, "") and k != "machines"]
     if facts:
         lines += ["; ".join(facts), ""]
+    if meta.get("machines"):
+        lines += ["These tasks ran on more than one machine (a run resumed elsewhere): each "
+                  "speedup compares times measured side by side in its own task's process, "
+                  "but times and speedups of tasks on different cards are not comparable, "
+                  "and the summary's geomeans mix the cards.", ""]
+        lines += [f"- {m}" for m in meta["machines"]] + [""]
     if meta.get("caches") == "fresh":
         lines += ["Compile caches (Inductor, Triton, stitchcuda) are fresh per task and shared by "
                   "that task's backends, in the order listed: the first Inductor-family backend's "

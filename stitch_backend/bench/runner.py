@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .metrics import BackendSummary, TaskResult, latest_runs, summarise
+from .metrics import BackendSummary, TaskResult, latest_runs, machine_runs, summarise
 from .problems import ProblemRef
 from .records import CRASH, TIMEOUT, BenchRecord, append_records, read_records
 from .report import render_markdown, write_plot
@@ -443,6 +443,17 @@ def _meta(cfg: BenchConfig, results: Sequence[TaskResult]) -> dict[str, object]:
                 break
         if env:
             break
+    machines = machine_runs(results)
+    if len(machines) > 1:   # a resumed run that went on elsewhere: say which tasks ran where
+        env = {**env, "gpu": "several (below)", "torch": None}
+    meta = _meta_facts(cfg, results, first, env)
+    if len(machines) > 1:
+        meta["machines"] = [m.describe() for m in machines]
+    return meta
+
+
+def _meta_facts(cfg: BenchConfig, results: Sequence[TaskResult], first: BenchRecord | None,
+                env: dict[str, object]) -> dict[str, object]:
     if cfg.report_only and first is not None:     # describe the run that made the records
         return {"device": first.device, "gpu": env.get("gpu"), "torch": env.get("torch"),
                 "triton": env.get("triton"), "mode": first.mode,

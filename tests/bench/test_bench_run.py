@@ -129,6 +129,39 @@ def test_report_only_summarises_merged_records(full_run, monkeypatch, tmp_path, 
     assert cli.run(_parse(["bench", "--report-only", "--out", str(tmp_path / "none")])) == 2
 
 
+def test_a_run_resumed_on_another_machine_says_which_tasks_ran_where(full_run, monkeypatch, tmp_path):
+    """Records of one task from another card (a --resume that went on elsewhere): the
+    summary's header lists each machine with its tasks and says the geomeans mix cards,
+    instead of naming the first task's GPU for all; one machine keeps the plain header."""
+    _, out = full_run
+    lines = (out / "results.jsonl").read_text().splitlines()
+    recs = [json.loads(ln) for ln in lines]
+    for r in recs:
+        r["env"] = {**r.get("env", {}), "gpu": "Card A", "torch": "2.11.0"}
+        if r["task"] == "gru_cell":
+            r["env"]["gpu"] = "Card B"
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    monkeypatch.setattr(runner, "run_task_process", lambda *a, **k: pytest.fail("ran a task"))
+    assert cli.run(_parse(["bench", "--report-only", "--out", str(merged), "--no-progress"])) == 0
+    head = (merged / "summary.md").read_text().split("## Tasks")[0]
+    order = list(dict.fromkeys(r["task"] for r in recs))
+    assert "gpu: several (below)" in head and "gpu: Card A" not in head
+    assert "ran on more than one machine" in head
+    described = [ln for ln in head.splitlines() if ln.startswith("- Card ")]
+    # runs of consecutive tasks: Card B between two Card A tasks makes three
+    assert len(described) == (3 if 0 < order.index("gru_cell") < len(order) - 1 else 2)
+    assert any(ln.startswith("- Card B, torch 2.11.0: 1 task(s), gru_cell") for ln in described)
+
+    for r in recs:
+        r["env"]["gpu"] = "Card A"
+    (merged / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert cli.run(_parse(["bench", "--report-only", "--out", str(merged), "--no-progress"])) == 0
+    head = (merged / "summary.md").read_text().split("## Tasks")[0]
+    assert "gpu: Card A" in head and "more than one machine" not in head
+
+
 def _fake_python(tmp_path: Path, body: str) -> str:
     script = tmp_path / "fake-python"
     script.write_text("#!/bin/sh\n" + body + "\n")
