@@ -14,13 +14,12 @@ finish reduces in a fixed order.
 
 from __future__ import annotations
 
-import re
-
 import sympy
 
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
-from .emit_expr import ExprEmitter, IssuedLoad, Scope, compute_ctype, eligible_vector_access
+from . import batched_loads as bl
+from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
@@ -152,14 +151,6 @@ def stores_across_rows(ir: KernelIR) -> bool:
 # division, clamps and bounds checks, and the generated kernel took 15.27 ms on the
 # H200 against ATen's 10.84 (which also writes int64 indices).
 SERIAL_MAX_K = 32
-# Chunks whose global loads a cluster-layout pass issues together (``_batched_loop``): a
-# cluster's block holds one row share an SM (its shared memory), so its 1024 threads are
-# all the loads in flight there.
-BATCH = 4
-# The same for a pass of one element a thread and step (4-byte loads rather than 16):
-# ptxas reused one register for the loads of L1 39's unrolled steps, each waiting for the
-# one before (SASS of its template, sm_90a, nvcc 13).
-SCALAR_BATCH = 8
 
 
 def why_not_cluster(ir: KernelIR) -> str | None:
@@ -301,8 +292,8 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         span = ("kb + ", "ke")
     inner_flag = "true" if rowwise else "false"
     # rows read one element a thread and step (no vector path: odd lengths, L1 38/39's
-    # 65535) issue several steps' loads before using them (_leading_loads)
-    batch_scalar = rowwise and serial is None and vec == 1
+    # 65535) issue several steps' loads before using them (batched_loads.leading_loads)
+    batch_rows = rowwise and serial is None
     if persist:
         row.pre.append(f"    const bool persist_row = vec_row && Kr <= ({IDX})TK * "
                        f"{vec * PERSIST_CHUNKS};")
@@ -325,7 +316,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial, next(value_plan, None), span,
-                 next(kept_passes, None), batch_scalar)
+                 next(kept_passes, None), batch_rows)
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -343,7 +334,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
                  next(passes, None), serial, next(value_plan, None), span,
-                 next(kept_passes, None), batch_scalar)
+                 next(kept_passes, None), batch_rows)
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -373,7 +364,7 @@ def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
 
 
 def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None,
-             serial=None, values=None, span=("", "Kr"), kept=None, batch_scalar=False):
+             serial=None, values=None, span=("", "Kr"), kept=None, batch_rows=False):
     """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
     with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
     variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
@@ -384,8 +375,10 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     ``span``: the loop's start offset and limit (the ``cluster`` layout's share of the row);
     ``kept``: this pass's part of ``cluster_rows_kept``'s plan, (vector modes by name,
     scalar slots by load and mode): the loads it keeps in, or reads from, the block's
-    shared-memory share of the row; ``batch_scalar``: a pass of one element a thread and
-    step issues the loads that lead its body for several steps at once (``_leading_loads``).
+    shared-memory share of the row; ``batch_rows`` (a row's threads are a group, each
+    thread many steps): a pass of one element a thread and step issues the loads that
+    lead its body for several steps at once (``batched_loads``), and so does a vector pass
+    where ``batched_loads.BATCH_INNER_VECTOR`` is set.
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -412,7 +405,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 text.append(f"{ind}for ({IDX} k0 = 0; k0 < {serial}; ++k0) {{")
             else:
                 # unrolled so that several chunks' loads are in flight before the first is
-                # used, where the body lets the compiler move them (see _batched_loop)
+                # used, where the body lets the compiler move them (see batched_loads)
                 header = [f"{ind}#pragma unroll 4",
                           f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
                           f"k0 += ({IDX})TK * {vec}) {{"]
@@ -456,96 +449,22 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 with kept_scalars(em, kept, "k0 - kb", set(d.red_vars)):
                     body(el)
                 chunk.lines += el.render()
-                if batch_scalar:
-                    chunk.issued = _leading_loads(el)
+                if batch_rows:
+                    chunk.issued = bl.leading_loads(el)
         if persistent or serial is not None:
             text += chunk.render()
             if persistent:
                 text.append(f"{ind}  }}")
             text.append(f"{ind}}}")
-        elif (kept is not None if vector else batch_scalar) and (
-                batched := _batched_loop(IDX, chunk, vec, span, ind, batched_width(
-                    chunk.issued, BATCH if vector else SCALAR_BATCH))):
+        elif bl.batches(vector, kept, batch_rows) and (batched := bl.batched_loop(
+                IDX, chunk, vec, span, ind, bl.batched_width(
+                    chunk.issued, bl.BATCH if vector else bl.SCALAR_BATCH))):
             text += batched
         else:
             text += header + chunk.render() + [f"{ind}}}"]
     if has_vec:
         text.append("    }")
     row.lines += text
-
-
-def batched_width(issued: list[IssuedLoad], batch: int = BATCH) -> int:
-    """How many chunks' global loads ``_batched_loop`` issues before using the first:
-    ``batch``, fewer where the chunk has more than two loads (their registers); 0
-    where it has none (a pass that reads the row from shared memory)."""
-    n = len(issued)
-    return 0 if n == 0 else max(1, batch * 2 // max(n, 2))
-
-
-def _leading_loads(el: Scope) -> list[IssuedLoad]:
-    """The global loads that lead a scalar chunk's lines (``const T tN = VALUE;`` of a
-    Load, before any other line of the element), for ``_batched_loop`` to issue ahead;
-    a load after a computed line, or whose address reads another value, stays where it
-    is (only the index lines of ``el.pre`` come before them, so the batch's fetch loop
-    reads nothing it has not defined)."""
-    names = {n: e for e, n in el.names.items() if isinstance(e, Load)}
-    out = []
-    for line in el.lines:
-        m = _DEF.match(line)
-        if m is None or m.group(2) not in names or _NAME.search(m.group(3)):
-            break
-        out.append(IssuedLoad(line, m.group(2), m.group(1), m.group(3)))
-    return out
-
-
-_DEF = re.compile(r"\s*const (.+?) (t\d+) = (.*);$")
-_NAME = re.compile(r"\bt\d+\b")
-
-
-def _batched_loop(IDX: str, chunk: Scope, vec: int, span: tuple[str, str], ind: str,
-                  width: int) -> list[str] | None:
-    """The pass's loop over its chunks with the global loads of U = ``batched_width``
-    chunks issued together, then used: ``#pragma unroll 4`` alone left one load
-    in flight a thread (the loop's exit test between chunks, and a softmax's online
-    maximum branching in each, keep the compiler from moving the next chunk's load up;
-    seen in the SASS of L1 23's cluster kernel). Whole groups of U chunks first, the last
-    chunks one at a time, in a block of their own. None (the plain loop) where fewer than two chunks batch, or a
-    line before the last load is not a constant definition (the chunk's index
-    arithmetic)."""
-    if width < 2:
-        return None
-    lines = chunk.render()
-    by_line = {ld.line: ld for ld in chunk.issued}
-    last = max(i for i, line in enumerate(lines) if line in by_line)
-    if not all(line.lstrip().startswith("const ") for line in lines[:last + 1]):
-        return None
-    step = f"({IDX})TK * {vec}"
-    fetch, use = [], []
-    for i, line in enumerate(lines):
-        ld = by_line.get(line)
-        lead = line[:len(line) - len(line.lstrip())] + "  "
-        if ld is None:
-            use.append("  " + line)
-            if i <= last:
-                fetch.append("  " + line)
-            continue
-        fetch.append(f"{lead}pf_{ld.name}[u] = {ld.value};")
-        got = f"pf_{ld.name}[u]" if ld.fill is None else f"({ld.fill} = pf_{ld.name}[u])"
-        use.append(f"{lead}const {ld.vt} {ld.name} = {got};")
-    out = [f"{ind}{IDX} kq = {span[0]}({IDX})tk * {vec};",
-           f"{ind}for (; kq + {width - 1} * {step} < {span[1]}; kq += {width} * {step}) {{"]
-    out += [f"{ind}  {ld.vt} pf_{ld.name}[{width}];" for ld in chunk.issued]
-    for body in (fetch, use):
-        out += [f"{ind}  #pragma unroll", f"{ind}  for (int u = 0; u < {width}; ++u) {{",
-                f"{ind}    const {IDX} k0 = kq + ({IDX})u * {step};"]
-        out += body
-        out.append(f"{ind}  }}")
-    out.append(f"{ind}}}")
-    out.append(f"{ind}for ({IDX} k0 = kq; k0 < {span[1]}; k0 += {step}) {{")
-    out += lines
-    out.append(f"{ind}}}")
-    # a block of its own: each pass over the row declares its kq
-    return [f"{ind}{{"] + ["  " + line for line in out] + [f"{ind}}}"]
 
 
 def _outer_stage(k: _Kernel, ir: KernelIR, em) -> list[str]:

@@ -68,7 +68,7 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
     assert f"__cluster_dims__({CLUSTER}, 1, 1)" in src
     assert src.count("sfk_cluster_reduce<") == len(ln.ir.inner_reductions) >= 2
     # every loop over the row starts in the block's share: at kb, or where the first
-    # pass's batched chunks (_batched_loop, which starts at kb) stopped
+    # pass's batched chunks (batched_loads.batched_loop, which starts at kb) stopped
     assert src.count("k0 = kb + ") + src.count("k0 = kq;") == src.count("for (int k0") > 0
     assert src.count("kq = kb + ") == src.count("k0 = kq;") == 1
     assert "k0 < Kr" not in src
@@ -86,7 +86,7 @@ def test_a_cluster_shares_each_row_and_combines_every_reduction_across_its_block
                    layout="cluster")
     assert odd.emitted.vec == 1 and odd.emitted.shared_mem == 4167 * 4 + 4   # 16-byte rounded
     # the first pass fills it twice in the text (its batched steps, then the last ones:
-    # emit_reduction._leading_loads), the two later passes read it
+    # batched_loads.leading_loads), the two later passes read it
     assert odd.source.count("sfk_rs0[k0 - kb] = ") == 2
     assert odd.source.count("sfk_rs0[k0 - kb]") == 4
     assert odd.source.count("pf_") > 0 and "sfk_rs0[k0 - kb] = pf_" not in odd.source
@@ -108,7 +108,7 @@ def test_a_cluster_pass_that_reads_memory_issues_several_chunks_loads_before_usi
     time. The later pass reads shared memory, and is not batched. A chunk with three
     loads batches two chunks (their registers)."""
     from stitch_backend.codegen.emit_expr import IssuedLoad
-    from stitch_backend.codegen.emit_reduction import BATCH, batched_width
+    from stitch_backend.codegen.batched_loads import BATCH, batched_width
 
     sm = generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(2, 200000)), "sm_cl",
                   layout="cluster")

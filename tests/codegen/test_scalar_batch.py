@@ -1,6 +1,6 @@
 """Row reductions without a vector path (odd row lengths: KernelBench L1 38/39's 65535)
 issue the loads that lead each step of a pass for SCALAR_BATCH steps before using them
-(``emit_reduction._leading_loads``, ``_batched_loop``). On the CPU: what the source
+(``codegen.batched_loads``). On the CPU: what the source
 holds, that a load whose address reads another value stays where it is, that every case
 compiles for sm_90a; on the GPU: eager's values, bit-identical on a second launch."""
 
@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from stitch_backend import toolchain
 from stitch_backend.codegen import generate
-from stitch_backend.codegen.emit_reduction import SCALAR_BATCH
+from stitch_backend.codegen.batched_loads import SCALAR_BATCH
 
 
 def _trace(fn, *inputs):
