@@ -125,3 +125,39 @@ def test_batched_scalar_loads_give_eagers_values(what):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     (again,) = _launch(k, launch, xs)
     assert torch.equal(again, got)
+
+
+def _inner_batched(monkeypatch, fn, x):
+    from stitch_backend.codegen import batched_loads
+
+    monkeypatch.setattr(batched_loads, "BATCH_INNER_VECTOR", True)
+    return generate(_trace(fn, x), "sb_inner_vec")
+
+
+def test_the_inner_layouts_vector_passes_batch_where_the_flag_is_set(monkeypatch):
+    """batched_loads.BATCH_INNER_VECTOR (off by default, not yet measured): the template's
+    vector passes fetch BATCH chunks ahead, as the cluster layout's first pass does."""
+    from stitch_backend.codegen.batched_loads import BATCH
+
+    fn = lambda a: torch.softmax(a, 1)  # noqa: E731
+    k = _inner_batched(monkeypatch, fn, torch.randn(3, 200000))
+    assert k.emitted.layout == "inner" and k.emitted.vec == 4
+    assert k.source.count(f"pf_vin0_0[{BATCH}];") == 2      # both passes over the row read x
+    monkeypatch.undo()
+    assert "pf_" not in generate(_trace(fn, torch.randn(3, 200000)), "sb_inner_plain").source
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["softmax", "l2norm"])
+def test_batched_inner_vector_passes_give_eagers_values(monkeypatch, what):
+    from stitch_backend.cuda_driver import CudaModule
+
+    from .test_gpu import _launch
+
+    fn = {"softmax": lambda a: torch.softmax(a, 1), "l2norm": _l2norm}[what]
+    x = torch.randn(5, 200000, device="cuda")
+    k = _inner_batched(monkeypatch, fn, x)
+    assert "pf_vin0_0" in k.source
+    cubin = toolchain.compile_cubin(k.source, k.entry, toolchain.device_arch()).cubin
+    (got,) = _launch(k, CudaModule(cubin).function(k.entry, k.signature), [x])
+    torch.testing.assert_close(got, fn(x), atol=1e-5, rtol=1e-5)
