@@ -62,15 +62,15 @@ _NAME = re.compile(r"\bt\d+\b")
 
 
 def batched_loop(IDX: str, chunk: Scope, vec: int, span: tuple[str, str], ind: str,
-                  width: int) -> list[str] | None:
-    """The pass's loop over its chunks with the global loads of U = ``batched_width``
-    chunks issued together, then used: ``#pragma unroll 4`` alone left one load
-    in flight a thread (the loop's exit test between chunks, and a softmax's online
+                 width: int) -> list[str] | None:
+    """The pass's loop over its chunks with the global loads of U = ``width`` chunks
+    (``batched_width``) issued together, then used: ``#pragma unroll 4`` alone left one
+    load in flight a thread (the loop's exit test between chunks, and a softmax's online
     maximum branching in each, keep the compiler from moving the next chunk's load up;
     seen in the SASS of L1 23's cluster kernel). Whole groups of U chunks first, the last
-    chunks one at a time, in a block of their own. None (the plain loop) where fewer than two chunks batch, or a
-    line before the last load is not a constant definition (the chunk's index
-    arithmetic)."""
+    chunks one at a time, in a block of their own. None (the plain loop) where fewer than
+    two chunks batch, or a line before the last load is not a constant definition (the
+    chunk's index arithmetic)."""
     if width < 2:
         return None
     lines = chunk.render()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import sympy
 
+from . import batched_loads as bl
 from . import indexing as ix
 from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
-from . import batched_loads as bl
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
