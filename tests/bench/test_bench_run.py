@@ -418,6 +418,10 @@ def test_recompile_reports_the_backends_own_warm_start(tmp_path, monkeypatch):
     assert r.status == "ok", r.error
     assert r.recompile_cached is True
     assert 0 < r.recompile_backend_s < r.recompile_first_call_s
+    # the records are the timed graph's, not the recompile's as well (which loaded from
+    # the cache: none of the listed ones did)
+    assert r.backend_records and not any(g["cached"] for g in r.backend_records), \
+        [(g["index"], g["cached"]) for g in r.backend_records]
     result = TaskResult(task="mlp_gelu", task_run=r.task_run, records={r.backend: r})
     assert _compile_cell(result, r.backend).endswith(
         f"(backend {r.recompile_backend_s:.2f}, cache hit)")
