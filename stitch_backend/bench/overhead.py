@@ -7,6 +7,7 @@ under stitchcuda called directly and through AOTAutograd's runtime wrapper
 (``aot_direct``).
 
     python3 -P -m stitch_backend.bench.overhead [--device cpu|cuda] [--blocks 30]
+        [--rows inference,train,one-op]
 """
 
 from __future__ import annotations
@@ -45,17 +46,31 @@ def _best_ms(fn, x, device: str, calls: int = 300, repeats: int = 5) -> float:
     return best
 
 
+ROWS = ("inference", "train", "one-op")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--blocks", type=int, default=30)
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"which rows, comma-separated, of: {', '.join(ROWS)} (default all; "
+                             "on a GPU the train row compiles for minutes)")
     args = parser.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown or not rows:
+        parser.error(f"--rows: unknown {', '.join(unknown) or '(none given)'}; "
+                     f"expected some of {', '.join(ROWS)}")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[_Block(16) for _ in range(args.blocks)]).to(args.device)
     x = torch.randn(4, 16, device=args.device)
-    print(f"host time per call, ms (best of 5 x 300 calls; {args.device}, {args.blocks} blocks)")
-    print(f"{'':12s} {'eager':>8s} {'aot_eager':>10s} {'step loop':>10s} {'straight':>9s}")
-    for training in (False, True):
+    stacks = [t for t, name in ((False, "inference"), (True, "train")) if name in rows]
+    if stacks:
+        print(f"host time per call, ms (best of 5 x 300 calls; {args.device}, "
+              f"{args.blocks} blocks)")
+        print(f"{'':12s} {'eager':>8s} {'aot_eager':>10s} {'step loop':>10s} {'straight':>9s}")
+    for training in stacks:
         def step(f):
             return (lambda x: f(x).sum().backward()) if training else f
 
@@ -72,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         program_mod.STRAIGHT_LINE = True
         label = "train step" if training else "inference"
         print(f"{label:12s} " + " ".join(f"{v:{w}.3f}" for v, w in zip(row, (8, 10, 10, 9))))
-    _one_op(args.device)
+    if "one-op" in rows:
+        _one_op(args.device)
     return 0
 
 

@@ -20,3 +20,18 @@ def test_overhead_tool_prints_its_rows(capsys):
     assert words[::2] == ["eager", "dynamo", "direct", "wrapped"]
     assert all(float(v) > 0 for v in words[1::2])
     assert aot_direct.why_not.__name__ == "why_not"   # put back after the comparison
+
+
+def test_overhead_tool_prints_the_rows_asked_for(capsys):
+    import pytest
+
+    assert overhead.main(["--device", "cpu", "--blocks", "2", "--rows", "one-op"]) == 0
+    out = capsys.readouterr().out
+    assert "inference" not in out and "train" not in out and "one op" in out
+    assert overhead.main(["--device", "cpu", "--blocks", "2", "--rows", "inference"]) == 0
+    out = capsys.readouterr().out
+    assert [ln.split()[0] for ln in out.splitlines() if ln.startswith(("inference", "train"))] \
+        == ["inference"] and "one op" not in out
+    with pytest.raises(SystemExit):
+        overhead.main(["--rows", "inference,warp"])
+    assert "unknown warp" in capsys.readouterr().err
