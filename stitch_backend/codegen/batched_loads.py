@@ -10,14 +10,13 @@ import re
 from .emit_expr import IssuedLoad, Scope
 from .kernel_ir import Load
 
-# Chunks whose global loads a cluster-layout pass issues together (``batched_loop``): a
-# cluster's block holds one row share an SM (its shared memory), so its 1024 threads are
-# all the loads in flight there.
+# Chunks whose global loads a pass issues together (``batched_loop``). A cluster-layout
+# block holds one row share an SM (its shared memory), so its 1024 threads are all the
+# loads in flight there. A pass of one element a thread and step (4-byte loads): ptxas
+# reused one register for the loads of L1 39's unrolled steps, each waiting for the one
+# before (SASS of its template, sm_90a, nvcc 13); 4 steps a batch keep its kernels at 32
+# registers (two blocks of 1024 threads an SM: 32 KB of loads in flight), 8 took 44-50.
 BATCH = 4
-# The same for a pass of one element a thread and step (4-byte loads rather than 16):
-# ptxas reused one register for the loads of L1 39's unrolled steps, each waiting for the
-# one before (SASS of its template, sm_90a, nvcc 13).
-SCALAR_BATCH = 8
 # The inner layout's vector path batched too: off until measured (its SASS for L1 23's
 # softmax has one or two 16-byte loads in flight a thread, yet that template moved
 # 3.9 TB/s on the H200 in session 37); a flag so that one process can time both forms.
@@ -33,12 +32,12 @@ def batches(vector: bool, kept, batch_rows: bool) -> bool:
     return batch_rows
 
 
-def batched_width(issued: list[IssuedLoad], batch: int = BATCH) -> int:
+def batched_width(issued: list[IssuedLoad]) -> int:
     """How many chunks' global loads ``batched_loop`` issues before using the first:
-    ``batch``, fewer where the chunk has more than two loads (their registers); 0
-    where it has none (a pass that reads the row from shared memory)."""
+    BATCH, fewer where the chunk has more than two loads (their registers); 0 where it
+    has none (a pass that reads the row from shared memory)."""
     n = len(issued)
-    return 0 if n == 0 else max(1, batch * 2 // max(n, 2))
+    return 0 if n == 0 else max(1, BATCH * 2 // max(n, 2))
 
 
 def leading_loads(el: Scope) -> list[IssuedLoad]:

@@ -457,8 +457,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 text.append(f"{ind}  }}")
             text.append(f"{ind}}}")
         elif bl.batches(vector, kept, batch_rows) and (batched := bl.batched_loop(
-                IDX, chunk, vec, span, ind, bl.batched_width(
-                    chunk.issued, bl.BATCH if vector else bl.SCALAR_BATCH))):
+                IDX, chunk, vec, span, ind, bl.batched_width(chunk.issued))):
             text += batched
         else:
             text += header + chunk.render() + [f"{ind}}}"]

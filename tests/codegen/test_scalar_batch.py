@@ -1,5 +1,5 @@
 """Row reductions without a vector path (odd row lengths: KernelBench L1 38/39's 65535)
-issue the loads that lead each step of a pass for SCALAR_BATCH steps before using them
+issue the loads that lead each step of a pass for BATCH steps before using them
 (``codegen.batched_loads``). On the CPU: what the source
 holds, that a load whose address reads another value stays where it is, that every case
 compiles for sm_90a; on the GPU: eager's values, bit-identical on a second launch."""
@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from stitch_backend import toolchain
 from stitch_backend.codegen import generate
-from stitch_backend.codegen.batched_loads import SCALAR_BATCH
+from stitch_backend.codegen.batched_loads import BATCH
 
 
 def _trace(fn, *inputs):
@@ -65,17 +65,17 @@ def _kernel(what, device="cpu"):
     return generate(_trace(fn, *xs), f"sb_{what}"), fn, xs
 
 
-def test_an_odd_row_norm_issues_eight_steps_loads_before_using_them():
+def test_an_odd_row_norm_issues_a_batch_of_steps_loads_before_using_them():
     """L1 39's form: both passes over the row (the sum of squares, then the element
-    stores) fetch SCALAR_BATCH steps' loads into an array, then use them; the steps left
+    stores) fetch BATCH steps' loads into an array, then use them; the steps left
     over run the plain loop; each pass's batch is a block of its own (its own ``kq``)."""
     k, _, _ = _kernel("l2norm_odd")
     src = k.source
     assert k.emitted.vec == 1 and k.emitted.layout == "inner"
-    assert src.count(f"pf_t0[{SCALAR_BATCH}]") == 1 and src.count(f"pf_t2[{SCALAR_BATCH}]") == 1
+    assert src.count(f"pf_t0[{BATCH}]") == 1 and src.count(f"pf_t2[{BATCH}]") == 1
     assert src.count("pf_t0[u] = sfk_val(in0[") == 1 and src.count("= pf_t0[u];") == 1
     assert src.count("kq = (") == 2 and src.count("k0 = kq;") == 2
-    assert src.count(f"for (int u = 0; u < {SCALAR_BATCH}; ++u)") == 4
+    assert src.count(f"for (int u = 0; u < {BATCH}; ++u)") == 4
     # the stores stay in the use loop, after their loads
     use = src.split("= pf_t2[u];")[1].split("}")[0]
     assert "out0[" in use
@@ -137,8 +137,6 @@ def _inner_batched(monkeypatch, fn, x):
 def test_the_inner_layouts_vector_passes_batch_where_the_flag_is_set(monkeypatch):
     """batched_loads.BATCH_INNER_VECTOR (off by default, not yet measured): the template's
     vector passes fetch BATCH chunks ahead, as the cluster layout's first pass does."""
-    from stitch_backend.codegen.batched_loads import BATCH
-
     fn = lambda a: torch.softmax(a, 1)  # noqa: E731
     k = _inner_batched(monkeypatch, fn, torch.randn(3, 200000))
     assert k.emitted.layout == "inner" and k.emitted.vec == 4
