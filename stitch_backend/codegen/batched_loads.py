@@ -20,6 +20,9 @@ BATCH = 4
 # The inner layout's vector path batched too: off until measured (its SASS for L1 23's
 # softmax has one or two 16-byte loads in flight a thread, yet that template moved
 # 3.9 TB/s on the H200 in session 37); a flag so that one process can time both forms.
+# A tuning switch, not an option: set at run time it is in no cache key (the key's code
+# digest covers its default, as written here), so only timing scripts that bypass the
+# cache flip it.
 BATCH_INNER_VECTOR = False
 
 

@@ -53,8 +53,9 @@ def itemsize(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class IssuedLoad:
-    """One vector load line of a chunk: ``const VT NAME = VALUE;``, or with ``fill`` the
-    slot it also keeps the chunk in (``const VT NAME = (FILL = VALUE);``)."""
+    """One global load line of a chunk: ``const VT NAME = VALUE;``, or with ``fill`` the
+    slot it also keeps the chunk in (``const VT NAME = (FILL = VALUE);``); a vector load
+    (``emit_cuda._vector_chunk``) or one element's (``batched_loads.leading_loads``)."""
 
     line: str
     name: str
@@ -74,8 +75,9 @@ class Scope:
         self.lines: list[str] = []
         self.names: dict = {}
         self.vector = False
-        # the global vector loads a chunk issues (``emit_cuda._vector_chunk``): their
-        # lines, to batch ahead of their use (``emit_reduction``'s cluster layout)
+        # the global loads a chunk issues (``emit_cuda._vector_chunk``, or
+        # ``batched_loads.leading_loads`` for one element a step): their lines, to issue
+        # ahead of their use (``batched_loads.batched_loop``)
         self.issued: list[IssuedLoad] = []
         # the innermost side of an ``if`` this scope is in (``ExprEmitter._branches``)
         self.branch: Scope | None = parent.branch if parent is not None else None
