@@ -120,6 +120,7 @@ class TemplateCoder:
             cand.alternatives += launch_alternatives.narrow_columns(self, subtask, stages)
         cand.alternatives += launch_alternatives.single_pass_stats(self, subtask, stages)
         cand.alternatives += launch_alternatives.cluster_rows(self, subtask, stages)
+        cand.alternatives += launch_alternatives.peeled_rows(self, subtask, stages)
         cand.alternatives += splits
         if self.lean_columns:
             cand.alternatives += launch_alternatives.lean_columns(self, subtask, stages)

@@ -2,8 +2,8 @@
 is laid out, launched or summed (the Verifier races each against the candidate and keeps
 the fastest): the column and staged layouts of a reduction that writes across its rows,
 the narrow launch of a column reduction over few rows, the lean launch of one over
-short rows, variances over long rows in one pass, and long rows shared by the blocks of
-a cluster. ``coder`` is the
+short rows, variances over long rows in one pass, long rows shared by the blocks of
+a cluster, and rows of an odd length read in vectors after a scalar head. ``coder`` is the
 TemplateCoder (its ``sm_count`` and ``_candidate``)."""
 
 from __future__ import annotations
@@ -170,6 +170,26 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
         return new.emitted.shared_mem > 0
 
     cand = _swapped(coder, subtask, stages, long_rows, "cl", differs=kept, layout="cluster")
+    return [] if cand is None else [cand]
+
+
+def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
+    """The candidate again with each inner-layout reduction whose rows have no aligned
+    vector path (an odd row length: L1 38/39's 65535) and at least
+    ``codegen.peel.PEEL_MIN_K`` elements generated with its rows peeled
+    (``codegen.peel``: a scalar head to the first aligned element, 16-byte chunks over
+    the rest); none where no kernel is such. Raced beside the template's one element a
+    thread and step (whose loads ``batched_loads`` issues ahead); not yet measured."""
+    from stitch_backend.codegen.peel import PEEL_MIN_K
+
+    def odd_rows(kernel: Any) -> bool:
+        ir, em = getattr(kernel, "ir", None), getattr(kernel, "emitted", None)
+        if ir is None or em is None or em.layout != "inner" or em.serial or em.vec != 1:
+            return False
+        n = sympy.Mul(*ir.domain.red_extents)
+        return len(ir.domain.red_vars) == 1 and not (n.is_Integer and int(n) < PEEL_MIN_K)
+
+    cand = _swapped(coder, subtask, stages, odd_rows, "pl", peel=True)
     return [] if cand is None else [cand]
 
 

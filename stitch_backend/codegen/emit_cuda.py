@@ -23,7 +23,7 @@ import torch
 
 from .emit_expr import CTYPE, ExprEmitter, IssuedLoad, Scope, VectorChunk, eligible_vector_access
 from . import indexing as ix
-from .kernel_ir import KernelIR, Load, Store
+from .kernel_ir import KernelIR, Load, Store, Unsupported
 
 
 @dataclass(frozen=True)
@@ -393,17 +393,21 @@ def _emit_store(k, em, scope, st: Store, cond: str = "") -> None:
     scope.lines.append(scope.ind + stmt)
 
 
-def emit(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
+def emit(ir: KernelIR, layout: str | None = None, cache_values: bool = False,
+         peel: bool = False) -> Emitted:
     """CUDA source for ``ir``; raises ``Unsupported`` for what the templates lack.
     ``layout`` forces a reduction's thread layout ("inner", "column" or "staged");
     ``cache_values`` its persistent rows' register arrays of values, not loads (a
-    pointwise kernel, one pass, has nothing to keep)."""
+    pointwise kernel, one pass, has nothing to keep); ``peel`` a row reduction's vector
+    path over rows that start anywhere (``peel``)."""
     if ir.is_reduction:
         from .emit_reduction import emit_reduction   # it builds on this module's _Kernel
 
-        return emit_reduction(ir, layout, cache_values)
+        return emit_reduction(ir, layout, cache_values, peel)
     if layout is not None:
         raise ValueError(f"a pointwise region has no reduction layout ({layout!r})")
+    if peel:
+        raise Unsupported("a pointwise kernel has no rows to peel")
     return _emit_pointwise(ir)
 
 

@@ -505,22 +505,23 @@ def _term_coeff(term: sympy.Expr) -> sympy.Expr | None:
     return coeff
 
 
+def along(offset: sympy.Expr, var) -> bool:
+    """Whether ``offset`` steps by one element with ``var`` (and reads no data), so that
+    consecutive ``var`` are consecutive addresses: a vector access may cover them."""
+    if any(ix.is_data_var(s) for s in offset.free_symbols):
+        return False
+    for f in offset.atoms(ix.FDiv, ix.IMod):
+        if var in f.free_symbols:
+            return False
+    return sympy.expand(sympy.diff(offset, var)) == 1
+
+
 def eligible_vector_access(k, var, extent, loads, stores):
     """(VEC, {Load: name}, {Store: name}, runtime conditions) for a vector path over ``var``."""
     if var is None:
         return 1, {}, {}, []
-
-    def candidate(offset: sympy.Expr) -> bool:
-        if any(ix.is_data_var(s) for s in offset.free_symbols):
-            return False
-        for f in offset.atoms(ix.FDiv, ix.IMod):
-            if var in f.free_symbols:
-                return False
-        d = sympy.expand(sympy.diff(offset, var))
-        return d == 1
-
-    cand_loads = [ld for ld in dict.fromkeys(loads) if candidate(ld.offset)]
-    cand_stores = [st for st in stores if not st.guards and candidate(st.offset)]
+    cand_loads = [ld for ld in dict.fromkeys(loads) if along(ld.offset, var)]
+    cand_stores = [st for st in stores if not st.guards and along(st.offset, var)]
     while True:
         sizes = [itemsize(ld.dtype) for ld in cand_loads]
         sizes += [itemsize(k.ir.outputs[st.out].dtype) for st in cand_stores]

@@ -22,6 +22,7 @@ from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
+from .peel import edge_loop, peeled_access, row_bounds
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
@@ -164,10 +165,13 @@ def why_not_cluster(ir: KernelIR) -> str | None:
     return None
 
 
-def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool = False) -> Emitted:
+def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool = False,
+                   peel: bool = False) -> Emitted:
     """The reduction kernel of ``ir``, in ``layout`` ("inner", "column", "cluster" or
     "staged" (``emit_staged``); by default the one its loads favour). ``cache_values``: persistent
-    rows keep computed values between passes, not loads (``persist.value_passes``)."""
+    rows keep computed values between passes, not loads (``persist.value_passes``);
+    ``peel``: rows without an aligned vector path read their aligned middle in vectors
+    (``peel``; Unsupported where that does not apply)."""
     if layout not in (None, "inner", "column", "staged", "cluster"):
         raise ValueError(f"unknown reduction layout {layout!r}")
     if layout == "staged":
@@ -201,15 +205,27 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
             k, d.red_vars[-1], d.red_extents[-1], elem_loads, elem_stores)
     else:
         vec, vloads, vstores, conds = 1, {}, {}, []
+    # rows that start anywhere (odd lengths): a scalar head, the aligned middle in vectors
+    peeled = None
+    if peel:
+        if not vector_red or vloads or vstores or _serial_k(d, layout, {}, {}, None) is not None:
+            raise Unsupported("no rows to peel: an aligned vector path, short rows, or "
+                              "rows not read along the reduced index")
+        peeled = peeled_access(k, ir, layout, elem_loads, elem_stores)
+        if peeled is None:
+            raise Unsupported("no rows to peel (layout, reduced indices, row length or "
+                              "accesses: codegen/peel.py)")
+        vec, vloads, vstores, conds = peeled.vec, peeled.loads, peeled.stores, peeled.conds
     L = k.lines
     L += k.header(f"row reduction, {layout} layout"
                   + (f" ({CLUSTER} blocks a row)" if cluster else "") + f", chunks of {vec}"
                   + (", vector path" if vloads or vstores else "")
+                  + (" (rows peeled to alignment)" if peeled else "")
                   + (", cross-row reduction in the last block" if outer else ""))
     em = ExprEmitter(k, ir)
     phases = sorted({r.phase for r in ir.inner_reductions})
     values = None
-    if vloads and layout == "inner":
+    if vloads and layout == "inner" and peeled is None:
         if cache_values:
             values = value_passes(ir, em, vec, phases, elem_stores)
             persist = [{} for _ in values] if values else None
@@ -282,7 +298,9 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         row.pre.append(f"    const {IDX} Kr = K;")
     if has_vec:
         extra = f" && (Kr % {vec} == 0)" if d.red_limit is not None else ""
-        row.pre.append(f"    const bool vec_row = vec_ok{extra};")
+        row.pre.append(f"    const bool vec_row = vec_ok{'' if peeled else extra};")
+    if peeled:
+        row.pre += row_bounds(peeled, em, row, IDX)
     span = ("", "Kr")
     if cluster:   # this block's share of the row: whole vector chunks, in rank order
         row.pre += [f"    const {IDX} sfk_share = "
@@ -316,7 +334,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial, next(value_plan, None), span,
-                 next(kept_passes, None), batch_rows)
+                 next(kept_passes, None), batch_rows, peeled is not None)
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -334,7 +352,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
                  next(passes, None), serial, next(value_plan, None), span,
-                 next(kept_passes, None), batch_rows)
+                 next(kept_passes, None), batch_rows, peeled is not None)
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -364,7 +382,8 @@ def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
 
 
 def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None,
-             serial=None, values=None, span=("", "Kr"), kept=None, batch_rows=False):
+             serial=None, values=None, span=("", "Kr"), kept=None, batch_rows=False,
+             peeled=False):
     """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
     with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
     variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
@@ -378,7 +397,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     shared-memory share of the row; ``batch_rows`` (a row's threads are a group, each
     thread many steps): a pass of one element a thread and step issues the loads that
     lead its body for several steps at once (``batched_loads``), and so does a vector pass
-    where ``batched_loads.BATCH_INNER_VECTOR`` is set.
+    where ``batched_loads.BATCH_INNER_VECTOR`` is set; ``peeled`` (``peel``): the vector
+    variant covers the row's aligned middle, then its head and tail (``edge_loop``).
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -388,6 +408,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     for vector in variants:
         persistent = vector is None
         vector = vector is not False
+        lo, hi = ("sfk_lead + ", "sfk_vend") if peeled and vector else span
         ind = "      " if has_vec else "    "
         if persistent:
             text.append("    if (persist_row) {")
@@ -407,7 +428,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 # unrolled so that several chunks' loads are in flight before the first is
                 # used, where the body lets the compiler move them (see batched_loads)
                 header = [f"{ind}#pragma unroll 4",
-                          f"{ind}for ({IDX} k0 = {span[0]}({IDX})tk * {vec}; k0 < {span[1]}; "
+                          f"{ind}for ({IDX} k0 = {lo}({IDX})tk * {vec}; k0 < {hi}; "
                           f"k0 += ({IDX})TK * {vec}) {{"]
             chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
@@ -457,10 +478,12 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 text.append(f"{ind}  }}")
             text.append(f"{ind}}}")
         elif bl.batches(vector, kept, batch_rows) and (batched := bl.batched_loop(
-                IDX, chunk, vec, span, ind, bl.batched_width(chunk.issued))):
+                IDX, chunk, vec, (lo, hi), ind, bl.batched_width(chunk.issued))):
             text += batched
         else:
             text += header + chunk.render() + [f"{ind}}}"]
+        if peeled and vector:
+            text += edge_loop(k, row, d.red_vars, d.red_extents, body, ind)
     if has_vec:
         text.append("    }")
     row.lines += text

@@ -336,13 +336,15 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
              layout: str | None = None, narrow: bool = False,
-             cache_values: bool = False, single_pass_stats: bool = False) -> FusedKernel:
+             cache_values: bool = False, single_pass_stats: bool = False,
+             peel: bool = False) -> FusedKernel:
     """The fused CUDA kernel for region ``gm``, entry point ``name``; ``layout`` forces a
     reduction's thread layout (``emit_reduction``), ``narrow`` a column reduction's
     launch of few rows a block (``FusedKernel.narrow``), ``cache_values`` its
     persistent rows' registers of computed values (``persist.value_passes``),
     ``single_pass_stats`` variances in one pass over shifted values
-    (``lower_reductions._shifted_moments``).
+    (``lower_reductions._shifted_moments``), ``peel`` a row reduction's vector path over
+    rows that start anywhere (``codegen.peel``).
 
     Raises ``Unsupported`` (with the op and the reason) for what the templates cannot
     express, ValueError for a name that is not a C identifier.
@@ -350,7 +352,7 @@ def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
     if not _IDENT.match(name):
         raise ValueError(f"kernel name {name!r} is not a C identifier")
     ir = split_full_reductions(lower(gm, name, single_pass_stats=single_pass_stats), sm_count)
-    em = emit(ir, layout, cache_values)
+    em = emit(ir, layout, cache_values, peel)
     ops = list(dict.fromkeys(ir.ops))
     code_log.debug("generated %s:\n%s", name, em.source)
     return FusedKernel(name=name, source=em.source, entry=em.entry, ops=ops,

@@ -18,6 +18,8 @@ from stitch_backend import toolchain
 from stitch_backend.codegen import generate
 from stitch_backend.codegen.batched_loads import BATCH
 
+from .checks import assert_compiles_for_sm90a, assert_eager_values
+
 
 def _trace(fn, *inputs):
     return make_fx(fn, decomposition_table=core_aten_decompositions(), tracing_mode="fake")(*inputs)
@@ -100,31 +102,15 @@ def test_rows_with_a_vector_path_keep_their_loop():
 
 @pytest.mark.nvcc
 def test_every_case_compiles_for_sm90a():
-    kernels = [_kernel(w)[0] for w in sorted(CASES)]
-    job = toolchain.CompileJob("\n".join(k.source for k in kernels), "scalar_batch", "sm_90a")
-    (res,) = toolchain.compile_many([job], max_workers=1)
-    assert not isinstance(res, toolchain.CompileError), str(res)
-    for k in kernels:
-        assert k.entry.encode() in res.cubin
+    assert_compiles_for_sm90a([_kernel(w)[0] for w in sorted(CASES)], "scalar_batch")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("what", sorted(CASES))
 def test_batched_scalar_loads_give_eagers_values(what):
-    from stitch_backend.cuda_driver import CudaModule
-
-    from .test_gpu import _launch
-
     k, fn, xs = _kernel(what, "cuda")
     assert "pf_" in k.source
-    cubin = toolchain.compile_cubin(k.source, k.entry, toolchain.device_arch()).cubin
-    launch = CudaModule(cubin).function(k.entry, k.signature)
-    (got,) = _launch(k, launch, xs)
-    want = fn(*xs)
-    tol = 1e-5 if want.dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    (again,) = _launch(k, launch, xs)
-    assert torch.equal(again, got)
+    assert_eager_values(k, fn, xs)
 
 
 def _inner_batched(monkeypatch, fn, x):
