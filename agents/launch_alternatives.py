@@ -170,7 +170,14 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
         return new.emitted.shared_mem > 0
 
     cand = _swapped(coder, subtask, stages, long_rows, "cl", differs=kept, layout="cluster")
-    return [] if cand is None else [cand]
+    if cand is None:
+        return []
+    # and launched resident (``FusedKernel.resident``): as many clusters as fit at once,
+    # each looping over rows, as the hand-written kernel of codegen/cluster.py's note is
+    # (not yet measured apart: kb/tune/cluster_ab.py's cl_persist row times that launch)
+    resident = _swapped(coder, subtask, stages, long_rows, "cl_r", differs=kept,
+                        launch={"resident": True}, layout="cluster")
+    return [cand] + ([resident] if resident is not None else [])
 
 
 def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
@@ -195,11 +202,12 @@ def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candi
 
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
              suffix: str, differs: Callable[[Any, Any], bool] | None = None,
-             **how: Any) -> Candidate | None:
+             launch: dict[str, Any] | None = None, **how: Any) -> Candidate | None:
     """The candidate named ``REGION_suffix`` whose kernels that ``applies`` to are
     generated again with ``how`` (``codegen.fused.generate``'s keywords) under their name
-    plus ``_suffix`` (kept only where ``differs(old, new)``, when given); None where no
-    kernel changes or one of them cannot be generated so."""
+    plus ``_suffix`` (kept only where ``differs(old, new)``, when given), and launched
+    with ``launch`` (``FusedKernel``'s launch flags); None where no kernel changes or one
+    of them cannot be generated so."""
     swapped, changed = [], False
     for stage in stages:
         kernel = stage.kernel
@@ -213,7 +221,7 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                           how, err)
                 return None
             if differs is None or differs(kernel, new):
-                kernel, changed = new, True
+                kernel, changed = dataclasses.replace(new, **(launch or {})), True
         swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
     if not changed:
         return None

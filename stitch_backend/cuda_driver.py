@@ -58,6 +58,14 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024  # what a kernel may use without opting in
 
 
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h): a launch's shape, for ``cuOccupancyMaxActiveClusters``."""
+
+    _fields_ = [(f, ctypes.c_uint) for f in ("gridDimX", "gridDimY", "gridDimZ", "blockDimX",
+                                            "blockDimY", "blockDimZ", "sharedMemBytes")] + [
+        ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("numAttrs", ctypes.c_uint)]
+
+
 class CudaDriverError(RuntimeError):
     """A CUDA driver call failed: which call, the CUresult code, its name and message."""
 
@@ -103,6 +111,12 @@ class _Driver:
             fn = getattr(lib, name)
             fn.argtypes = argtypes
             fn.restype = c_int
+        # CUDA 11.8 on (thread-block clusters): absent from older drivers, asked for by
+        # cluster launches only (CudaFunction.max_active_clusters)
+        self.occupancy_clusters = getattr(lib, "cuOccupancyMaxActiveClusters", None)
+        if self.occupancy_clusters is not None:
+            self.occupancy_clusters.argtypes = [pp(c_int), vp, pp(LaunchConfig)]
+            self.occupancy_clusters.restype = c_int
         self.check(lib.cuInit(0), "cuInit")
 
     def error_text(self, code: int) -> tuple[str, str]:
@@ -362,6 +376,23 @@ class CudaFunction:
             f"cuFuncSetAttribute({self.name!r}, MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes})",
         )
         self._dyn_smem_limit = int(nbytes)
+
+    def max_active_clusters(self, grid_x: int, block_x: int, shared_mem: int) -> int:
+        """How many clusters of this kernel (its ``__cluster_dims__``) can be resident at
+        once in a launch of ``grid_x`` x ``block_x`` threads with ``shared_mem`` bytes of
+        dynamic shared memory a block (cuOccupancyMaxActiveClusters)."""
+        call = (f"cuOccupancyMaxActiveClusters({self.name!r}, grid={grid_x}, block={block_x}, "
+                f"smem={shared_mem})")
+        if self._drv.occupancy_clusters is None:
+            raise CudaDriverError(call, -1, "NOT_FOUND", "the driver has no "
+                                  "cuOccupancyMaxActiveClusters (CUDA 11.8 or later has)")
+        if shared_mem > self._dyn_smem_limit:
+            self.set_max_dynamic_shared_memory(shared_mem)
+        config = LaunchConfig(grid_x, 1, 1, block_x, 1, 1, shared_mem, None, None, 0)
+        out = ctypes.c_int()
+        self._drv.check(self._drv.occupancy_clusters(ctypes.byref(out), self.handle,
+                                                     ctypes.byref(config)), call)
+        return out.value
 
     def launch(
         self,

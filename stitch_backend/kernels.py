@@ -29,6 +29,7 @@ class KernelRunner:
         self.poison = poison
         self._module = module or CudaModule(candidate.cubin)
         self._fn = self._module.function(self.kernel.entry, self.kernel.signature)
+        self._clusters: dict[tuple[int, int], int] = {}   # resident clusters by block shape
 
     def poisoning(self) -> "KernelRunner":
         """A runner over the same loaded module that poisons its outputs first."""
@@ -51,9 +52,26 @@ class KernelRunner:
                     out.fill_(True)
                 else:
                     out.fill_(torch.iinfo(out.dtype).max)  # an unlikely value, any int width
-        if launch.grid[0] * launch.grid[1] * launch.grid[2] > 0:
-            self._fn.launch(launch.grid, launch.block, launch.args, launch.shared_mem)
+        grid = launch.grid
+        if getattr(self.kernel, "resident", False):
+            grid = self._resident(grid, launch.block[0], launch.shared_mem)
+        if grid[0] * grid[1] * grid[2] > 0:
+            self._fn.launch(grid, launch.block, launch.args, launch.shared_mem)
         return launch.outputs
+
+    def _resident(self, grid: tuple[int, int, int], block_x: int, shared_mem: int
+                  ) -> tuple[int, int, int]:
+        """A cluster kernel's grid cut to the clusters that can be resident at once
+        (``FusedKernel.resident``; asked of the driver once per block shape)."""
+        from .codegen.cluster import CLUSTER
+
+        key = (block_x, shared_mem)
+        n = self._clusters.get(key)
+        if n is None:
+            n = self._clusters[key] = self._fn.max_active_clusters(grid[0], block_x, shared_mem)
+        if n < 1:      # none fits: the launch itself says why
+            return grid
+        return (min(grid[0], n * CLUSTER), grid[1], grid[2])
 
 
 class InterpretedRunner:

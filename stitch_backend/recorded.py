@@ -28,16 +28,19 @@ def kernel_record(kernel: Any) -> dict[str, Any]:
     """What the manifest keeps of one generated kernel (a ``FusedKernel``)."""
     layouts = getattr(kernel, "_layouts", {}) or {}
     return {"entry": kernel.entry, "signature": kernel.signature,
+            "resident": bool(getattr(kernel, "resident", False)),
             "layouts": [{"key": key_to_json(k), "layout": v.to_json()} for k, v in layouts.items()]}
 
 
 class RecordedKernel:
     """Stands in for a ``FusedKernel`` in a ``KernelRunner``: ``entry``, ``signature``,
-    ``name`` and ``prepare``; ``regenerate()`` gives the real kernel when needed."""
+    ``name``, ``resident`` (its launch flag; absent from records before it, where no
+    kernel had it) and ``prepare``; ``regenerate()`` gives the real kernel when needed."""
 
     def __init__(self, record: dict[str, Any], regenerate: Callable[[], Any]):
         self.entry = self.name = str(record["entry"])
         self.signature = str(record["signature"])
+        self.resident = bool(record.get("resident", False))
         self._layouts = {key_from_json(item["key"]): Layout.from_json(item["layout"])
                          for item in record["layouts"]}
         if not self._layouts:

@@ -212,6 +212,11 @@ class FusedKernel:
     # row, so fewer partial values to combine across the block after each pass; the
     # Coder's alternative agents.launch_alternatives.lean_columns)
     lean: bool = False
+    # cluster layout: launched with as many clusters as can be resident at once, each
+    # looping over rows (the kernel's row loop steps by the grid), rather than a cluster a
+    # row (``kernels.KernelRunner`` asks the driver; the Coder's alternative
+    # agents.launch_alternatives.cluster_rows ``_cl_r``)
+    resident: bool = False
     _layouts: dict = field(repr=False, compare=False, default_factory=dict)
 
     @property

@@ -4,6 +4,7 @@ the entry alone, without the Coder, and a layout that was not recorded regenerat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 
@@ -50,6 +51,13 @@ def test_recorded_kernel_launches_as_the_generated_one():
     with pytest.raises(ValueError, match="strides"):    # not recorded: regenerated, checked
         recorded.prepare([torch.randn(48, 64).t()])
     assert calls == [1]
+    # a launch flag the runner reads (a cluster kernel launched resident) is recorded too;
+    # a record from before the flag launches as the kernels then did
+    assert recorded.resident is False
+    resident = json.loads(json.dumps(kernel_record(dataclasses.replace(kernel, resident=True))))
+    assert RecordedKernel(resident, lambda: kernel).resident is True
+    del resident["resident"]
+    assert RecordedKernel(resident, lambda: kernel).resident is False
 
 
 def test_recorded_kernel_refuses_a_kernel_regenerated_differently():

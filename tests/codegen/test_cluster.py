@@ -6,6 +6,8 @@ the GPU: eager's values, bit-identical on a second launch."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -252,3 +254,91 @@ def test_a_cached_cluster_kernel_is_regenerated_by_a_coder_with_clusters():
     found = _regenerated(TemplateCoder(clusters=True), rec.gm, region, "k", digest)
     assert found is not None and found.name == stored.name
     assert _regenerated(TemplateCoder(), rec.gm, region, "k", digest) is None
+
+
+def test_the_cluster_alternative_comes_again_launched_resident():
+    """Beside ``_cl``, ``_cl_r``: the same kernel (its name aside) with
+    ``FusedKernel.resident`` set, so that the runner launches as many clusters as can be
+    resident at once, each looping over rows."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+
+    rec, region = _softmax_region(4, 32768)
+    alts = {a.name: a for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, region, "k")).alternatives}
+    (plain,), (resident,) = alts["k_cl"].kernels, alts["k_cl_r"].kernels
+    assert resident.resident and not plain.resident
+    assert resident.emitted.layout == "cluster"
+    assert re.sub(rf"\b{resident.name}\b", "K", resident.source) == re.sub(
+        rf"\b{plain.name}\b", "K", plain.source)
+
+
+class _Fn:
+    """A loaded kernel's stand-in: how many clusters fit, and how often it was asked."""
+
+    def __init__(self, fit: int):
+        self.fit, self.asked = fit, 0
+
+    def max_active_clusters(self, grid_x, block_x, shared_mem):
+        self.asked += 1
+        return self.fit
+
+
+def test_a_resident_launch_cuts_the_grid_to_the_clusters_that_fit():
+    """4096 rows (a cluster each: 32768 blocks) with 16 clusters resident: 128 blocks;
+    the driver is asked once per block shape; rows fewer than fit keep their grid; where
+    none fits the grid stays as it is, for the launch to say why."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from stitch_backend.kernels import KernelRunner
+
+    kernel = generate(_trace(lambda a: torch.softmax(a, 1), torch.randn(64, 32768)),
+                      "cl_res", layout="cluster")
+    kernel = dataclasses.replace(kernel, resident=True)
+    runner = object.__new__(KernelRunner)
+    runner.__dict__.update(candidate=SimpleNamespace(name="c"), kernel=kernel, poison=False,
+                           _fn=_Fn(16), _clusters={})
+    blocks, _, _ = kernel.launch_shape(4096, 32768)
+    assert blocks == 4096 * CLUSTER
+    grid = (blocks, 1, 1)
+    assert runner._resident(grid, 1024, 65536) == (16 * CLUSTER, 1, 1)
+    assert runner._resident(grid, 1024, 65536) == (16 * CLUSTER, 1, 1)
+    assert runner._fn.asked == 1
+    assert runner._resident((4 * CLUSTER, 1, 1), 1024, 65536) == (4 * CLUSTER, 1, 1)
+    runner._fn, runner._clusters = _Fn(0), {}
+    assert runner._resident(grid, 1024, 65536) == grid
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", ["softmax", "layer_norm_odd", "argmax", "short_rows"])
+def test_a_resident_cluster_launch_loops_over_rows_and_gives_eagers_values(what):
+    """Launched resident through the runner, with rows enough that each cluster takes
+    several in turn (the two slots of ``sfk_cluster_reduce`` alternate between them):
+    eager's values, bit-identical on a second call."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from stitch_backend.kernels import KernelRunner
+
+    fn, shape, dtype = GPU_CASES[what]
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = 8 * sm if what != "short_rows" else 3000
+    gen = torch.Generator(device="cuda").manual_seed(len(what))
+    x = torch.randn(rows, shape[1], device="cuda", generator=gen).to(dtype)
+    kernel = dataclasses.replace(generate(_trace(fn, x), f"clr_{what}", sm_count=sm,
+                                          layout="cluster"), resident=True)
+    cubin = toolchain.compile_cubin(kernel.source, kernel.entry, toolchain.device_arch()).cubin
+    runner = KernelRunner(SimpleNamespace(name=kernel.name, cubin=cubin, kernel=kernel),
+                          poison=True)
+    (got,) = runner(x)
+    launch = kernel.prepare([x])
+    fit = runner._resident(launch.grid, launch.block[0], launch.shared_mem)[0] // CLUSTER
+    assert 1 <= fit < rows                     # each cluster takes several rows
+    want = fn(x)
+    if dtype == torch.float32 and what != "argmax":
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(got, want)
+    (again,) = runner(x)
+    assert torch.equal(again, got)
