@@ -10,8 +10,9 @@ element (``sfk_lead``, computed per row: at most VEC - 1), whole vector chunks o
 aligned middle up to ``sfk_vend``, and a tail of fewer than VEC scalar elements after it;
 the head and tail share one short loop (``edge_loop``). Every vector access of the row
 must then have the same start, so that one head aligns them all: the loads and stores
-whose offset is the row's start plus the reduced index, grouped by that start, the
-largest group taking the vector path (``peeled_access``); the others stay scalar.
+whose offset is the row's start plus the reduced index, grouped by that start; the group
+whose start moves with the row (the row's own data, not a weight every row reads alike)
+takes the vector path, the larger first (``peeled_access``); the others stay scalar.
 
 Only the ``inner`` layout (a row's threads are one group; the cluster layout's shares are
 whole chunks of an aligned row), one reduced index, no persistent rows (their register
