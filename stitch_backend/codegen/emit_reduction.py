@@ -22,7 +22,7 @@ from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
-from .peel import edge_loop, peeled_access, row_bounds
+from .peel import edge_loop, middle_loop, peeled_access, row_bounds
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
@@ -430,6 +430,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
                 header = [f"{ind}#pragma unroll 4",
                           f"{ind}for ({IDX} k0 = {lo}({IDX})tk * {vec}; k0 < {hi}; "
                           f"k0 += ({IDX})TK * {vec}) {{"]
+                if peeled and vector:
+                    header = middle_loop(IDX, vec, ind)
             chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
         var = d.red_vars[-1] if d.red_vars else None

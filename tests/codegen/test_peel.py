@@ -67,13 +67,14 @@ def _kernel(what, device="cpu", peel=True):
 
 def test_a_peeled_row_norm_reads_its_aligned_middle_in_vectors_and_its_edges_one_by_one():
     """L1 38's form: both passes (the sum of magnitudes, then the stores) run 16-byte
-    chunks from the row's first aligned element to ``sfk_vend``, then the head and tail
+    chunks over ``sfk_mid`` elements from the row's first aligned one, then the head and tail
     elements one a thread; the template (no peel) keeps one element a thread and step."""
     k, _, _ = _kernel("l1norm_odd")
     src = k.source
     assert k.emitted.vec == 4 and k.emitted.layout == "inner"
     assert "rows peeled to alignment" in src
-    assert src.count("for (int k0 = sfk_lead + (int)tk * 4; k0 < sfk_vend;") == 2
+    assert src.count("for (int q0 = (int)tk * 4; q0 < sfk_mid; q0 += (int)TK * 4)") == 2
+    assert src.count("const int k0 = sfk_lead + q0;") == 2
     assert src.count("sfk_ldv<4>(in0 + ") == 2 and src.count("sfk_stv<4>(out0 + ") == 1
     assert src.count("for (int e = tk; e < sfk_edge; e += TK)") == 2
     # the edge loop's stores are scalar: every element of the head and tail is written
@@ -86,10 +87,12 @@ def test_a_peeled_row_norm_reads_its_aligned_middle_in_vectors_and_its_edges_one
 
 
 def _bounds(src: str):
-    """The emitted row-bound lines as a Python function of (start of the row, Kr)."""
-    lines = [ln.strip() for ln in src.splitlines() if re.match(r"\s*const int sfk_(lead0?|vend|edge) =", ln)]
+    """The emitted row-bound lines as Python assignments (of the row index i0 and Kr)."""
+    lines = [ln.strip() for ln in src.splitlines()
+             if re.match(r"\s*const int sfk_(lead0?|mid|vend|edge) =", ln)]
     assert [ln.split(" =")[0] for ln in lines] == [
-        "const int sfk_lead0", "const int sfk_lead", "const int sfk_vend", "const int sfk_edge"]
+        "const int sfk_lead0", "const int sfk_lead", "const int sfk_mid", "const int sfk_vend",
+        "const int sfk_edge"]
     body = []
     for ln in lines:
         ln = ln.removeprefix("const int ").rstrip(";").replace("(int)", "").replace("/", "//")
@@ -99,10 +102,10 @@ def _bounds(src: str):
 
 
 def test_the_row_bounds_cover_each_element_once_with_every_chunk_aligned():
-    """The four bound lines of the source, evaluated for each start of a row modulo 4
-    and row lengths from 0 to past a chunk: the vector chunks (start ``sfk_lead``, step
-    4) begin on a multiple of 4 and end by ``sfk_vend``; with the head and tail of the
-    edge loop they cover 0..Kr-1 exactly once."""
+    """The bound lines of the source, evaluated for each start of a row modulo 4 and row
+    lengths from 0 to past a chunk: the vector chunks (``sfk_lead`` + 0, 4, .. below
+    ``sfk_mid``) begin on a multiple of 4 and end by ``sfk_vend``; with the head and tail
+    of the edge loop they cover 0..Kr-1 exactly once."""
     k, _, _ = _kernel("l1norm_odd")
     body = _bounds(k.source)
     for i0 in range(8):
@@ -112,8 +115,8 @@ def test_the_row_bounds_cover_each_element_once_with_every_chunk_aligned():
                 name, expr = ln.split(" = ", 1)
                 env[name] = eval(expr, {}, env)   # noqa: S307 - the test's own generated text
             lead, vend, edge = env["sfk_lead"], env["sfk_vend"], env["sfk_edge"]
-            chunks = range(lead, vend, 4)
-            assert all((65535 * i0 + c) % 4 == 0 and c + 4 <= kr for c in chunks), (i0, kr)
+            chunks = [lead + q0 for q0 in range(0, env["sfk_mid"], 4)]
+            assert all((65535 * i0 + c) % 4 == 0 and c + 4 <= vend <= kr for c in chunks), (i0, kr)
             seen = [c + v for c in chunks for v in range(4)]
             seen += [e if e < lead else vend + (e - lead) for e in range(edge)]
             assert sorted(seen) == list(range(kr)), (i0, kr, lead, vend, edge)
