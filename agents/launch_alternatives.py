@@ -175,9 +175,11 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
     # and launched resident (``FusedKernel.resident``): as many clusters as fit at once,
     # each looping over rows, as the hand-written kernel of codegen/cluster.py's note is
     # (not yet measured apart: kb/tune/cluster_ab.py's cl_persist row times that launch)
-    resident = _swapped(coder, subtask, stages, long_rows, "cl_r", differs=kept,
-                        launch={"resident": True}, layout="cluster")
-    return [cand] + ([resident] if resident is not None else [])
+    cl_stages = cand.stages or [Stage(stages[0].region, kernel=cand.kernel,
+                                      module=stages[0].module)]
+    return [cand] + _relaunched(coder, subtask, cl_stages, [
+        s for s in cl_stages if s.kernel is not None and s.kernel.emitted.layout == "cluster"],
+        "r", f"{subtask.region_name}_cl", resident=True)
 
 
 def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:
@@ -187,14 +189,12 @@ def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candi
     (``codegen.peel``: a scalar head to the first aligned element, 16-byte chunks over
     the rest); none where no kernel is such. Raced beside the template's one element a
     thread and step (whose loads ``batched_loads`` issues ahead); not yet measured."""
-    from stitch_backend.codegen.peel import PEEL_MIN_K
+    from stitch_backend.codegen.peel import why_not_peeled
 
     def odd_rows(kernel: Any) -> bool:
         ir, em = getattr(kernel, "ir", None), getattr(kernel, "emitted", None)
-        if ir is None or em is None or em.layout != "inner" or em.serial or em.vec != 1:
-            return False
-        n = sympy.Mul(*ir.domain.red_extents)
-        return len(ir.domain.red_vars) == 1 and not (n.is_Integer and int(n) < PEEL_MIN_K)
+        return (ir is not None and em is not None and em.vec == 1
+                and why_not_peeled(ir, em.layout) is None)
 
     cand = _swapped(coder, subtask, stages, odd_rows, "pl", peel=True)
     return [] if cand is None else [cand]
@@ -202,12 +202,11 @@ def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candi
 
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
              suffix: str, differs: Callable[[Any, Any], bool] | None = None,
-             launch: dict[str, Any] | None = None, **how: Any) -> Candidate | None:
+             **how: Any) -> Candidate | None:
     """The candidate named ``REGION_suffix`` whose kernels that ``applies`` to are
     generated again with ``how`` (``codegen.fused.generate``'s keywords) under their name
-    plus ``_suffix`` (kept only where ``differs(old, new)``, when given), and launched
-    with ``launch`` (``FusedKernel``'s launch flags); None where no kernel changes or one
-    of them cannot be generated so."""
+    plus ``_suffix`` (kept only where ``differs(old, new)``, when given); None where no
+    kernel changes or one of them cannot be generated so."""
     swapped, changed = [], False
     for stage in stages:
         kernel = stage.kernel
@@ -221,7 +220,7 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
                           how, err)
                 return None
             if differs is None or differs(kernel, new):
-                kernel, changed = dataclasses.replace(new, **(launch or {})), True
+                kernel, changed = new, True
         swapped.append(Stage(stage.region, kernel=kernel, module=stage.module))
     if not changed:
         return None

@@ -29,7 +29,7 @@ class KernelRunner:
         self.poison = poison
         self._module = module or CudaModule(candidate.cubin)
         self._fn = self._module.function(self.kernel.entry, self.kernel.signature)
-        self._clusters: dict[tuple[int, int], int] = {}   # resident clusters by block shape
+        self._clusters: dict[tuple[int, int], int] = {}   # resident clusters' blocks by block shape
 
     def poisoning(self) -> "KernelRunner":
         """A runner over the same loaded module that poisons its outputs first."""
@@ -62,16 +62,18 @@ class KernelRunner:
     def _resident(self, grid: tuple[int, int, int], block_x: int, shared_mem: int
                   ) -> tuple[int, int, int]:
         """A cluster kernel's grid cut to the clusters that can be resident at once
-        (``FusedKernel.resident``; asked of the driver once per block shape)."""
-        from .codegen.cluster import CLUSTER
-
+        (``FusedKernel.resident``; asked of the driver once per block shape, the blocks
+        they make kept)."""
         key = (block_x, shared_mem)
-        n = self._clusters.get(key)
-        if n is None:
-            n = self._clusters[key] = self._fn.max_active_clusters(grid[0], block_x, shared_mem)
-        if n < 1:      # none fits: the launch itself says why
+        blocks = self._clusters.get(key)
+        if blocks is None:
+            from .codegen.cluster import CLUSTER
+
+            blocks = self._clusters[key] = CLUSTER * self._fn.max_active_clusters(
+                grid[0], block_x, shared_mem)
+        if blocks < 1:      # none fits: the launch itself says why
             return grid
-        return (min(grid[0], n * CLUSTER), grid[1], grid[2])
+        return (min(grid[0], blocks), grid[1], grid[2])
 
 
 class InterpretedRunner:

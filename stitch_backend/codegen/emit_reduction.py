@@ -22,7 +22,7 @@ from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
-from .peel import edge_loop, middle_loop, peeled_access, row_bounds
+from .peel import edge_loop, middle_loop, peeled_access, row_bounds, why_not_peeled
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
@@ -208,13 +208,11 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
     # rows that start anywhere (odd lengths): a scalar head, the aligned middle in vectors
     peeled = None
     if peel:
-        if not vector_red or vloads or vstores or _serial_k(d, layout, {}, {}, None) is not None:
-            raise Unsupported("no rows to peel: an aligned vector path, short rows, or "
-                              "rows not read along the reduced index")
-        peeled = peeled_access(k, ir, layout, elem_loads, elem_stores)
+        why = why_not_peeled(ir, layout) or ("rows with an aligned vector path"
+                                             if vloads or vstores else None)
+        peeled = None if why else peeled_access(k, ir, elem_loads, elem_stores)
         if peeled is None:
-            raise Unsupported("no rows to peel (layout, reduced indices, row length or "
-                              "accesses: codegen/peel.py)")
+            raise Unsupported(f"no rows to peel: {why or 'no access steps with the reduced index'}")
         vec, vloads, vstores, conds = peeled.vec, peeled.loads, peeled.stores, peeled.conds
     L = k.lines
     L += k.header(f"row reduction, {layout} layout"
@@ -427,11 +425,10 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 # unrolled so that several chunks' loads are in flight before the first is
                 # used, where the body lets the compiler move them (see batched_loads)
-                header = [f"{ind}#pragma unroll 4",
-                          f"{ind}for ({IDX} k0 = {lo}({IDX})tk * {vec}; k0 < {hi}; "
-                          f"k0 += ({IDX})TK * {vec}) {{"]
-                if peeled and vector:
-                    header = middle_loop(IDX, vec, ind)
+                header = middle_loop(IDX, vec, ind) if peeled and vector else [
+                    f"{ind}#pragma unroll 4",
+                    f"{ind}for ({IDX} k0 = {lo}({IDX})tk * {vec}; k0 < {hi}; "
+                    f"k0 += ({IDX})TK * {vec}) {{"]
             chunk = Scope(row, {sympy.Symbol("k0")}, ind + "  ")
         chunk.vector = vector
         var = d.red_vars[-1] if d.red_vars else None

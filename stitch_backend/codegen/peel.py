@@ -45,16 +45,26 @@ class Peel:
     rest: sympy.Expr
 
 
-def peeled_access(k, ir: KernelIR, layout: str, loads: list[Load], stores: list[Store]
-                  ) -> Peel | None:
-    """The peeled vector path of a row reduction that has no aligned one; None where the
-    layout, the reduced indices or the row length rule it out, or no access qualifies."""
+def why_not_peeled(ir: KernelIR, layout: str) -> str | None:
+    """Why a row reduction in ``layout`` cannot be peeled (the layout, its reduced
+    indices, its rows' length); None where it can, as far as these go (``peeled_access``
+    then looks at its accesses). Rows of up to 32 go one thread a row; PEEL_MIN_K is
+    above that."""
     d = ir.domain
-    if layout != "inner" or len(d.red_vars) != 1:
-        return None
+    if layout != "inner":
+        return f"the {layout} layout (only the inner one is peeled)"
+    if len(d.red_vars) != 1:
+        return f"{len(d.red_vars)} reduced indices (one is peeled)"
     extent = sympy.sympify(d.red_extents[0])
     if extent.is_Integer and int(extent) < PEEL_MIN_K:
-        return None
+        return f"rows of {int(extent)} elements, fewer than {PEEL_MIN_K}"
+    return None
+
+
+def peeled_access(k, ir: KernelIR, loads: list[Load], stores: list[Store]) -> Peel | None:
+    """The peeled vector path of a row reduction that ``why_not_peeled`` allows and that
+    has no aligned one; None where no access steps with the reduced index."""
+    d = ir.domain
     var = d.red_vars[0]
     groups: dict[sympy.Expr, tuple[list[Load], list[Store]]] = {}
     for ld in dict.fromkeys(loads):
