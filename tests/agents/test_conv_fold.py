@@ -218,9 +218,9 @@ def test_an_eval_resnet_block_runs_correctly_on_the_gpu():
             torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
     verified = [a.verdict for t in backend.trajectories for a in t.attempts
                 if a.action == "verify" and a.candidate.name.endswith("_bnf")]
-    # correct in both regions; kept or not by its time
-    assert len(verified) >= 2 and all(
-        v.ok or (v.reason or "").startswith("correct but not faster") for v in verified), verified
+    # correct in both regions; kept or not by its time (a race it loses, or a library
+    # call short of the margin a call must win by, is still a correct verdict)
+    assert len(verified) >= 2 and all(v.ok or v.correct for v in verified), verified
 
 
 def test_a_folded_winner_is_cached_and_warm_starts(monkeypatch, tmp_path):
