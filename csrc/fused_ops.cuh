@@ -142,7 +142,11 @@ template <typename T> struct sfk_mspair {
   T m;
   T s;
 };
+#ifdef SFK_FAST_EXP  // the fast form (stitch_backend/codegen/fast_math.py): 2 + 1.17|x| ulp
+__device__ __forceinline__ float sfk_exp_(float x) { return __expf(x); }
+#else
 __device__ __forceinline__ float sfk_exp_(float x) { return expf(x); }
+#endif
 __device__ __forceinline__ double sfk_exp_(double x) { return exp(x); }
 __device__ __forceinline__ float sfk_inf_like(float) { return SFK_INF_F; }
 __device__ __forceinline__ double sfk_inf_like(double) { return SFK_INF_D; }

@@ -129,6 +129,7 @@ class ExprEmitter:
         self.k = kernel
         self.IDX = kernel.IDX
         self.data = dict(ir.data_vars)
+        self.fast = ir.fast_math
         self.extents = dict(ir.data_extents)
         self.red_names: dict = {}
         self.overrides: dict = {}
@@ -440,6 +441,8 @@ class ExprEmitter:
             return f"(({ct})({a[0]} {op} {a[1]}))"
         if n == "where":
             return f"({a[0]} ? {a[1]} : {a[2]})"
+        if n == "exp" and self.fast and ct == "float":
+            return f"__expf({a[0]})"   # codegen/fast_math.py
         if n in _MATH:
             return f"{_MATH[n][1 if dbl else 0]}({a[0]})"
         one = "1.0" if dbl else "1.0f"

@@ -21,6 +21,7 @@ import torch.fx
 from .binding import bind, extents, output_layout
 from .emit_cuda import TILE, TILE_ROWS, Emitted, emit
 from .cluster import CLUSTER
+from .fast_math import fast_math as fast_math_ir
 from .emit_staged import STAGE_ROWS, STAGE_THREADS
 from .interp import interpret as _interpret
 from .kernel_ir import KernelIR, Unsupported
@@ -342,14 +343,15 @@ _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
              layout: str | None = None, narrow: bool = False,
              cache_values: bool = False, single_pass_stats: bool = False,
-             peel: bool = False) -> FusedKernel:
+             peel: bool = False, fast_math: bool = False) -> FusedKernel:
     """The fused CUDA kernel for region ``gm``, entry point ``name``; ``layout`` forces a
     reduction's thread layout (``emit_reduction``), ``narrow`` a column reduction's
     launch of few rows a block (``FusedKernel.narrow``), ``cache_values`` its
     persistent rows' registers of computed values (``persist.value_passes``),
     ``single_pass_stats`` variances in one pass over shifted values
     (``lower_reductions._shifted_moments``), ``peel`` a row reduction's vector path over
-    rows that start anywhere (``codegen.peel``).
+    rows that start anywhere (``codegen.peel``), ``fast_math`` fp32 exponentials and
+    divisions by a row's value in their fast forms (``codegen.fast_math``).
 
     Raises ``Unsupported`` (with the op and the reason) for what the templates cannot
     express, ValueError for a name that is not a C identifier.
@@ -357,6 +359,8 @@ def generate(gm: torch.fx.GraphModule, name: str, *, sm_count: int = 132,
     if not _IDENT.match(name):
         raise ValueError(f"kernel name {name!r} is not a C identifier")
     ir = split_full_reductions(lower(gm, name, single_pass_stats=single_pass_stats), sm_count)
+    if fast_math:
+        ir = fast_math_ir(ir)
     em = emit(ir, layout, cache_values, peel)
     ops = list(dict.fromkeys(ir.ops))
     code_log.debug("generated %s:\n%s", name, em.source)

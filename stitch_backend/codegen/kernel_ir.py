@@ -305,6 +305,8 @@ class KernelIR:
     data_extents: tuple[tuple[sympy.Symbol, sympy.Expr], ...] = ()
     int_inputs: tuple[tuple[int, int], ...] = ()  # (position, value) of static int inputs
     notes: tuple[str, ...] = field(default=())
+    # fp32 exp and the online softmax in their fast forms (``fast_math``)
+    fast_math: bool = False
 
     @property
     def is_reduction(self) -> bool:
