@@ -147,7 +147,10 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
     rows (``CLUSTER_MIN_LEN``) that reads its rows more than once (several phases, or
     element stores after them: a softmax, a norm) in the ``cluster`` layout
     (``codegen.cluster``: a thread-block cluster a row, each block's share of the row kept
-    in shared memory between the passes), launched resident; none where the Coder's target has no
+    in shared memory between the passes), launched resident, and again (``_clf_r``) with
+    its fp32 exponentials and divisions by the row's values in their fast forms
+    (``codegen.fast_math``: such a kernel is bound by its instructions, no longer by
+    memory); none where the Coder's target has no
     clusters (before sm_90), no kernel is such, or no such kernel's share fits in shared
     memory (``codegen.cluster.cluster_rows_kept``)."""
     if not getattr(coder, "clusters", False):
@@ -169,9 +172,19 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
         # lost L1 23's softmax and L1 38/39's norms on an H100 (codegen/cluster.py)
         return new.emitted.shared_mem > 0
 
-    cand = _swapped(coder, subtask, stages, long_rows, "cl", differs=kept, layout="cluster")
-    if cand is None:
-        return []
+    found = []
+    for suffix, fast in (("cl", False), ("clf", True)):
+        cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
+                        layout="cluster", fast_math=fast)
+        if cand is not None:
+            found += _resident(coder, subtask, stages, cand, suffix)
+    return found
+
+
+def _resident(coder: Any, subtask: Subtask, stages: list[Stage], cand: Candidate,
+              suffix: str) -> list[Candidate]:
+    """``cand`` (``cluster_rows``'s) with its cluster kernels launched resident, renamed
+    ``_r``."""
     # launched resident (``FusedKernel.resident``): as many clusters as fit at once, each
     # looping over rows, as the hand-written kernel of codegen/cluster.py's note is. Raced
     # beside the launch of a cluster a row on an H100 (session 39, KernelBench L1 23, 38,
@@ -181,7 +194,7 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
                                       module=stages[0].module)]
     return _relaunched(coder, subtask, cl_stages, [
         s for s in cl_stages if s.kernel is not None and s.kernel.emitted.layout == "cluster"],
-        "r", f"{subtask.region_name}_cl", resident=True)
+        "r", f"{subtask.region_name}_{suffix}", resident=True)
 
 
 def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candidate]:

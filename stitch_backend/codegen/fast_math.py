@@ -74,9 +74,10 @@ def why_not_fast(ir: KernelIR) -> str | None:
         return None
     for e in exprs:
         if isinstance(e, Op) and e.dtype == torch.float32 and (
-                e.name == "exp" or (e.name == "div" and _row_invariant(e.args[1], inv))):
+                e.name == "exp" or (e.name == "div" and _row_invariant(e.args[1], inv)
+                                    and not _row_invariant(e.args[0], inv))):
             return None
-    return "no fp32 exp, online softmax or division by a row's value to make fast"
+    return "no fp32 exp, online softmax or division of elements by a row's value to make fast"
 
 
 def fast_math(ir: KernelIR) -> KernelIR:

@@ -274,6 +274,31 @@ def test_the_cluster_alternative_is_launched_resident():
         r"\bP\b", "K", plain.source)
 
 
+def test_the_cluster_alternative_comes_again_with_fast_exponentials():
+    """``_clf_r``: the resident cluster kernel with ``codegen.fast_math``'s forms, for a
+    softmax; a LayerNorm (nothing an element to make fast) gets only ``_cl_r``."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+
+    rec, region = _softmax_region(4, 32768)
+    alts = {a.name: a for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, region, "k")).alternatives}
+    (fast,) = alts["k_clf_r"].kernels
+    assert fast.resident and fast.ir.fast_math and fast.emitted.layout == "cluster"
+    assert "#define SFK_FAST_EXP 1" in fast.source
+    assert "SFK_FAST_EXP" not in alts["k_cl_r"].kernels[0].source
+
+    from stitch_backend.backend import StitchBackend
+
+    backend = StitchBackend({"cpu_interpret": True, "cache": False})
+    torch.compile(lambda a: F.layer_norm(a, (32768,)), backend=backend)(torch.randn(4, 32768))
+    rec = backend.records[-1]
+    ln = next(r for r in rec.plan.regions if r.kind.value == "fused")
+    names = [a.name for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, ln, "k")).alternatives]
+    assert "k_cl_r" in names and "k_clf_r" not in names, names
+
+
 class _Fn:
     """A loaded kernel's stand-in: how many clusters fit, and how often it was asked."""
 
