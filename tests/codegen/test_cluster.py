@@ -146,11 +146,13 @@ class _Softmax(nn.Module):
         return torch.softmax(x * 2.0, -1)
 
 
-def _softmax_region(rows: int, cols: int):
+def _softmax_region(rows: int, cols: int, model=None):
+    """The traced graph and fused region of ``model`` (``_Softmax`` by default) on a
+    (rows, cols) input, through the backend on the CPU."""
     from stitch_backend.backend import StitchBackend
 
     backend = StitchBackend({"cpu_interpret": True, "cache": False})
-    torch.compile(_Softmax(), backend=backend)(torch.randn(rows, cols))
+    torch.compile(model or _Softmax(), backend=backend)(torch.randn(rows, cols))
     rec = backend.records[-1]
     region = next(r for r in rec.plan.regions if r.kind.value == "fused")
     return rec, region
@@ -288,12 +290,7 @@ def test_the_cluster_alternative_comes_again_with_fast_exponentials():
     assert "#define SFK_FAST_EXP 1" in fast.source
     assert "SFK_FAST_EXP" not in alts["k_cl_r"].kernels[0].source
 
-    from stitch_backend.backend import StitchBackend
-
-    backend = StitchBackend({"cpu_interpret": True, "cache": False})
-    torch.compile(lambda a: F.layer_norm(a, (32768,)), backend=backend)(torch.randn(4, 32768))
-    rec = backend.records[-1]
-    ln = next(r for r in rec.plan.regions if r.kind.value == "fused")
+    rec, ln = _softmax_region(4, 32768, lambda a: F.layer_norm(a, (32768,)))
     names = [a.name for a in TemplateCoder(clusters=True).propose(
         subtask_for(rec.gm, ln, "k")).alternatives]
     assert "k_cl_r" in names and "k_clf_r" not in names, names
