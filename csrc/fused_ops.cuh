@@ -176,6 +176,32 @@ template <typename T> __device__ __forceinline__ sfk_mspair<T> sfk_online_add(sf
   return a;
 }
 
+// A vector chunk's V elements into a pair (the fast kernel's, codegen/fast_math.py): the
+// chunk's maximum first, so at most one rescale a chunk and no branch an element, then
+// the V exponentials summed as a tree. The same special values as sfk_online_add: a -inf
+// maximum adds nothing, a NaN or +inf element makes the sum NaN.
+template <typename T, int V> __device__ __forceinline__ sfk_mspair<T> sfk_online_addv(sfk_mspair<T> a, const T (&x)[V]) {
+  static_assert(V > 0 && (V & (V - 1)) == 0, "a chunk of a power of two lanes");
+  T m = a.m;
+#pragma unroll
+  for (int v = 0; v < V; ++v) m = sfk_maximum(m, x[v]);
+  if (!(m == a.m)) {
+    a.s = a.m == -sfk_inf_like(m) ? T(0) : a.s * sfk_exp_(a.m - m);
+    a.m = m;
+  }
+  if (a.m == -sfk_inf_like(m)) return a;
+  T e[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) e[v] = sfk_exp_(x[v] - m);
+#pragma unroll
+  for (int w = V / 2; w > 0; w /= 2) {
+#pragma unroll
+    for (int v = 0; v < w; ++v) e[v] += e[v + w];
+  }
+  a.s += e[0];
+  return a;
+}
+
 // ----------------------------------------------------------------------------- shuffles
 
 template <typename T> __device__ __forceinline__ T sfk_shfl_xor(T v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }

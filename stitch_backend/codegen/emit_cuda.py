@@ -356,6 +356,7 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
         scope.lines.append(f"{ind}sfk_vec<{k.ptr[k.out_names[st.out]]}, {vec}> {name};")
     inner = Scope(scope, {var, sympy.Symbol("v")}, ind + "  ")
     inner.vector = True
+    inner.lanes = vec
     inner.pre.append(f"{ind}  const {k.IDX} {var} = {var}_0 + v;")
     em.overrides = {ld: f"sfk_val({name}.v[v])" for ld, name in vloads.items()}
     em.override_deps = {var, sympy.Symbol("v")}
@@ -367,9 +368,11 @@ def _vector_chunk(k, em, scope, var, vec, vloads, vstores, body, ind, cached=Non
     unread = {loaded[n] for n in loaded if f"{n}.v[" not in text}
     scope.lines[:] = [line for i, line in enumerate(scope.lines) if i not in unread]
     scope.issued = [ld for ld in scope.issued if ld.line in scope.lines]
+    scope.lines += [ind + line for line in inner.before_lanes]
     scope.lines += [f"{ind}#pragma unroll", f"{ind}for (int v = 0; v < {vec}; ++v) {{"]
     scope.lines += inner.render()
     scope.lines.append(f"{ind}}}")
+    scope.lines += [ind + line for line in inner.after_lanes]
     em.overrides, em.override_deps = {}, set()
     for st, name in vstores.items():
         off = em.index(st.offset.xreplace({var: b0}), scope)

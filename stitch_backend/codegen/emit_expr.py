@@ -81,6 +81,11 @@ class Scope:
         self.issued: list[IssuedLoad] = []
         # the innermost side of an ``if`` this scope is in (``ExprEmitter._branches``)
         self.branch: Scope | None = parent.branch if parent is not None else None
+        # a vector chunk's loop over its lanes (``emit_cuda._vector_chunk``): how many,
+        # and the lines it puts before and after that loop (a lane array, what reads it)
+        self.lanes = 0
+        self.before_lanes: list[str] = []
+        self.after_lanes: list[str] = []
 
     def chain(self) -> list["Scope"]:
         out, s = [], self

@@ -75,6 +75,14 @@ def accumulate(em: ExprEmitter, r: Reduction, scope: Scope) -> None:
     if r.kind in ("argmax", "argmin"):
         val = f"sfk_argpair<{ct}>{{{val}, (long long)({em.index(r.index, scope)})}}"
     elif r.kind == "softmax":
+        if em.fast and scope.lanes:
+            # fast_math: the chunk's lanes first, then one maximum and at most one rescale
+            # a chunk (sfk_online_addv) instead of a compare and branch an element
+            lanes = f"sfk_x{r.rid}"
+            scope.before_lanes.append(f"{ct} {lanes}[{scope.lanes}];")
+            scope.lines.append(f"{scope.ind}{lanes}[v] = {val};")
+            scope.after_lanes.append(f"acc{r.rid} = sfk_online_addv(acc{r.rid}, {lanes});")
+            return
         scope.lines.append(f"{scope.ind}acc{r.rid} = sfk_online_add(acc{r.rid}, {val});")
         return
     scope.lines.append(f"{scope.ind}acc{r.rid} = {_op_functor(r, ct)}(acc{r.rid}, {val});")

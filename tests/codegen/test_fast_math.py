@@ -59,8 +59,13 @@ def test_a_fast_softmax_takes_expf_intrinsics_and_multiplies_by_the_sums_recipro
     assert src.index(f"const float {recip} =") < src.index("sfk_stv<4>(out0")
     assert len(re.findall(rf"\* {recip}\)", src)) == 2
     assert not re.search(r"\(t\d+ / \(\(float\)acc0\.s\)\)", src)
+    # the vector passes add a chunk's lanes at once, the scalar pass one element at a time
+    assert src.count("acc0 = sfk_online_addv(acc0, sfk_x0);") == 2
+    assert src.count("sfk_x0[v] = ") == 2 and src.count("float sfk_x0[4];") == 2
+    assert src.count("sfk_online_add(acc0, ") == 1
     plain = _kernel("softmax_cluster", fast=False)[0].source
     assert "SFK_FAST_EXP" not in plain and "__expf" not in plain
+    assert "sfk_online_addv" not in plain and plain.count("sfk_online_add(acc0, ") == 3
     assert plain.count(" / ((float)acc0.s))") == 2
 
 
@@ -107,3 +112,20 @@ def test_every_fast_kernel_compiles_for_sm90a():
 def test_a_fast_kernel_gives_eagers_values_on_the_gpu(what):
     k, fn, xs = _kernel(what, device="cuda")
     assert_eager_values(k, fn, xs)
+
+
+@pytest.mark.gpu
+def test_the_fast_online_softmax_keeps_eagers_special_values_on_the_gpu():
+    """A chunk's maximum first (``sfk_online_addv``) must end where eager does on rows of
+    -inf (NaN: 0/0), a NaN (NaN), a +inf (NaN beside it, exp(inf - inf)), -inf among finite
+    values (0 there) and values far below the row's maximum (underflow to 0)."""
+    x = torch.randn(6, 32768, generator=torch.Generator().manual_seed(3))
+    x[0] = -torch.inf
+    x[1, 100] = torch.nan
+    x[2, 5000] = torch.inf
+    x[3, ::7] = -torch.inf
+    x[4, :16384] -= 200.0
+    x[5, 32767] = 80.0
+    k = generate(_trace(CASES["softmax_cluster"][0], x), "f_special", layout="cluster",
+                 fast_math=True)
+    assert_eager_values(k, CASES["softmax_cluster"][0], [x.cuda()], equal_nan=True)
