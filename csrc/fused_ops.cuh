@@ -201,9 +201,15 @@ template <typename T> __device__ __forceinline__ sfk_mspair<T> sfk_online_add(sf
 // maximum adds nothing, a NaN or +inf element makes the sum NaN.
 template <typename T, int V> __device__ __forceinline__ sfk_mspair<T> sfk_online_addv(sfk_mspair<T> a, const T (&x)[V]) {
   static_assert(V > 0 && (V & (V - 1)) == 0, "a chunk of a power of two lanes");
-  T m = a.m;
+  T t[V];
 #pragma unroll
-  for (int v = 0; v < V; ++v) m = sfk_maximum(m, x[v]);
+  for (int v = 0; v < V; ++v) t[v] = x[v];
+#pragma unroll
+  for (int w = V / 2; w > 0; w /= 2) {   // the lanes' maximum as a tree, then the row's
+#pragma unroll
+    for (int v = 0; v < w; ++v) t[v] = sfk_maximum(t[v], t[v + w]);
+  }
+  const T m = sfk_maximum(a.m, t[0]);
   if (!(m == a.m)) {
     a.s = a.m == -sfk_inf_like(m) ? T(0) : a.s * sfk_exp_(a.m - m);
     a.m = m;
