@@ -152,10 +152,15 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
     (``codegen.fast_math``: such a kernel is bound by its instructions, no longer by
     memory); none where the Coder's target has no
     clusters (before sm_90), no kernel is such, or no such kernel's share fits in shared
-    memory (``codegen.cluster.cluster_rows_kept``)."""
+    memory (``codegen.cluster.cluster_rows_kept``). Rows with no aligned vector path (an
+    odd length: L1 38/39's 65535) are peeled (``codegen.peel``: each block's share of the
+    aligned middle in 16-byte chunks), where they can be: their cluster kernel of one
+    element a thread and step lost to the template on an H100 (session 39: L1 38 9.63 ms
+    against 9.71 and ``_pl``'s 9.15)."""
     if not getattr(coder, "clusters", False):
         return []
     from stitch_backend.codegen.emit_reduction import why_not_cluster
+    from stitch_backend.codegen.peel import why_not_peeled
 
     def long_rows(kernel: Any) -> bool:
         ir, em = getattr(kernel, "ir", None), getattr(kernel, "emitted", None)
@@ -172,10 +177,19 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
         # lost L1 23's softmax and L1 38/39's norms on an H100 (codegen/cluster.py)
         return new.emitted.shared_mem > 0
 
+    def odd_rows(kernel: Any) -> dict:
+        return {"peel": kernel.emitted.vec == 1 and why_not_peeled(kernel.ir, "cluster") is None}
+
     found = []
     for suffix, fast in (("cl", False), ("clf", True)):
-        cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
-                        layout="cluster", fast_math=fast)
+        cand = None
+        if any(s.kernel is not None and long_rows(s.kernel) and odd_rows(s.kernel)["peel"]
+               for s in stages):
+            cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
+                            per_kernel=odd_rows, layout="cluster", fast_math=fast)
+        if cand is None:   # aligned rows, or odd rows peel does not apply to
+            cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
+                            layout="cluster", fast_math=fast)
         if cand is not None:
             found += _resident(coder, subtask, stages, cand, suffix)
     return found
@@ -218,11 +232,12 @@ def peeled_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Candi
 
 def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callable[[Any], bool],
              suffix: str, differs: Callable[[Any, Any], bool] | None = None,
-             **how: Any) -> Candidate | None:
+             per_kernel: Callable[[Any], dict] | None = None, **how: Any) -> Candidate | None:
     """The candidate named ``REGION_suffix`` whose kernels that ``applies`` to are
-    generated again with ``how`` (``codegen.fused.generate``'s keywords) under their name
-    plus ``_suffix`` (kept only where ``differs(old, new)``, when given); None where no
-    kernel changes or one of them cannot be generated so."""
+    generated again with ``how`` (``codegen.fused.generate``'s keywords; and each kernel's
+    own from ``per_kernel``) under their name plus ``_suffix`` (kept only where
+    ``differs(old, new)``, when given); None where no kernel changes or one of them cannot
+    be generated so."""
     swapped, changed = [], False
     for stage in stages:
         kernel = stage.kernel
@@ -230,7 +245,7 @@ def _swapped(coder: Any, subtask: Subtask, stages: list[Stage], applies: Callabl
             module = region_module(subtask.graph, stage.region)
             try:
                 new = generate(module, f"{kernel.name}_{suffix}", sm_count=coder.sm_count,
-                               **how)
+                               **how, **(per_kernel(kernel) if per_kernel else {}))
             except Unsupported as err:
                 log.debug("no %s candidate for %s (%s): %s", suffix, subtask.region_name,
                           how, err)

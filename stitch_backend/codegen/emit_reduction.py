@@ -22,7 +22,8 @@ from .emit_cuda import Emitted, _emit_store, _Kernel, _store_lane, _vector_chunk
 from .emit_expr import ExprEmitter, Scope, compute_ctype, eligible_vector_access
 from .kernel_ir import KernelIR, Load, Reduction, Unsupported, walk
 from .cluster import CLUSTER, cluster_rows_kept, kept_scalars
-from .peel import edge_loop, middle_loop, peeled_access, row_bounds, why_not_peeled
+from .peel import (PEEL_SPAN, cluster_middle, edge_loop, middle_loop, peeled_access, row_bounds,
+                   why_not_peeled)
 from .persist import PERSIST_CHUNKS, PERSIST_THREADS, load_passes, value_passes
 
 INIT = {
@@ -306,7 +307,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
         extra = f" && (Kr % {vec} == 0)" if d.red_limit is not None else ""
         row.pre.append(f"    const bool vec_row = vec_ok{'' if peeled else extra};")
     if peeled:
-        row.pre += row_bounds(peeled, em, row, IDX)
+        row.pre += row_bounds(peeled, em, row, IDX, cluster)
     span = ("", "Kr")
     if cluster:   # this block's share of the row: whole vector chunks, in rank order
         row.pre += [f"    const {IDX} sfk_share = "
@@ -314,7 +315,12 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                     f"    const {IDX} kb = ({IDX})sfk_rank * sfk_share;",
                     f"    const {IDX} ke = Kr - kb < sfk_share ? Kr : kb + sfk_share;"]
         span = ("kb + ", "ke")
+        if peeled:   # the vector path's share: whole chunks of the aligned middle
+            row.pre += cluster_middle(IDX, vec, CLUSTER)
     inner_flag = "true" if rowwise else "false"
+    # a peeled row's vector chunks: from the first aligned element to the middle's end,
+    # or (cluster) this block's share of the middle (``peel.cluster_middle``)
+    peel_span = None if peeled is None else PEEL_SPAN[cluster]
     # rows read one element a thread and step (no vector path: odd lengths, L1 38/39's
     # 65535) issue several steps' loads before using them (batched_loads.leading_loads)
     batch_rows = rowwise and serial is None
@@ -340,7 +346,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                 accumulate(em, r, scope)
         _k_loops(k, em, row, d, vec, vloads if has_vec else {}, {}, conds, body, has_vec, [],
                  next(passes, None), serial, next(value_plan, None), span,
-                 next(kept_passes, None), batch_rows, peeled is not None)
+                 next(kept_passes, None), batch_rows, peel_span)
         for r in reds:
             if serial is None:    # a row's threads combine their parts (serial: one thread)
                 row.lines.append(
@@ -358,7 +364,7 @@ def emit_reduction(ir: KernelIR, layout: str | None = None, cache_values: bool =
                  lambda scope: [_emit_store(k, em, scope, st) for st in elem_stores if st not in
                                 (vstores if scope.vector else {})], has_vec, elem_stores,
                  next(passes, None), serial, next(value_plan, None), span,
-                 next(kept_passes, None), batch_rows, peeled is not None)
+                 next(kept_passes, None), batch_rows, peel_span)
     for r in outer:
         val = em.value(r.body, row)
         row.lines.append(f"    if (row_ok && tk == 0) ws{r.rid}[r] = {val};")
@@ -389,7 +395,7 @@ def _serial_k(d, layout: str, vloads, vstores, persist) -> int | None:
 
 def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, cached=None,
              serial=None, values=None, span=("", "Kr"), kept=None, batch_rows=False,
-             peeled=False):
+             peeled=None):
     """The pass over one row: chunks of ``vec`` per thread, vector and scalar variants;
     with ``cached`` (this pass's entry of ``_persistent_passes``), first a persistent
     variant: the thread's chunks j = 0..PERSIST_CHUNKS-1, unrolled, so that the register
@@ -404,7 +410,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     thread many steps): a pass of one element a thread and step issues the loads that
     lead its body for several steps at once (``batched_loads``), and so does a vector pass
     where ``batched_loads.BATCH_INNER_VECTOR`` is set; ``peeled`` (``peel``): the vector
-    variant covers the row's aligned middle, then its head and tail (``edge_loop``).
+    variant covers the row's aligned middle (``peel.PeelSpan``: in the cluster layout,
+    this block's share of it), then its head and tail (``edge_loop``).
 
     The loop text is collected apart and appended last, so row-level values that the
     body hoists into ``row`` land before the loop."""
@@ -414,7 +421,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
     for vector in variants:
         persistent = vector is None
         vector = vector is not False
-        lo, hi = ("sfk_lead + ", "sfk_vend") if peeled and vector else span
+        lo, hi = (peeled.lo, peeled.hi) if peeled and vector else span
         ind = "      " if has_vec else "    "
         if persistent:
             text.append("    if (persist_row) {")
@@ -433,7 +440,7 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 # unrolled so that several chunks' loads are in flight before the first is
                 # used, where the body lets the compiler move them (see batched_loads)
-                header = middle_loop(IDX, vec, ind) if peeled and vector else [
+                header = middle_loop(IDX, vec, ind, peeled) if peeled and vector else [
                     f"{ind}#pragma unroll 4",
                     f"{ind}for ({IDX} k0 = {lo}({IDX})tk * {vec}; k0 < {hi}; "
                     f"k0 += ({IDX})TK * {vec}) {{"]
@@ -458,7 +465,8 @@ def _k_loops(k, em, row, d, vec, vloads, vstores, conds, body, has_vec, stores, 
             else:
                 _vector_chunk(k, em, chunk, var, vec, vloads, vstores, element, chunk.ind,
                               kept[0] if kept else None,
-                              slot="sfk_rb_{name}[(k0 - kb) / %d]" % vec)
+                              slot="sfk_rb_{name}[(k0 - %s) / %d]" % (
+                                  peeled.base if peeled else "kb", vec))
             em.value_uses, em.fills = {}, {}
         else:
             cind = ind + "  "

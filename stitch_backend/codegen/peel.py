@@ -14,10 +14,13 @@ whose offset is the row's start plus the reduced index, grouped by that start; t
 whose start moves with the row (the row's own data, not a weight every row reads alike)
 takes the vector path, the larger first (``peeled_access``); the others stay scalar.
 
-Only the ``inner`` layout (a row's threads are one group; the cluster layout's shares are
-whole chunks of an aligned row), one reduced index, no persistent rows (their register
-arrays are indexed by chunk from the row's start), and rows of at least PEEL_MIN_K
-elements (shorter rows are latency, not bandwidth; rows of up to 32 go one thread a row).
+The ``inner`` layout, and the ``cluster`` layout (``cluster_middle``: each block of a
+cluster takes a share of whole chunks of the aligned middle, and keeps them in its shared
+memory as the aligned rows' shares are kept; the first block also takes the head and the
+tail, which each pass reads from memory: fewer than 2 * VEC elements a row). One reduced
+index, no persistent rows (their register arrays are indexed by chunk from the row's
+start), and rows of at least PEEL_MIN_K elements (shorter rows are latency, not
+bandwidth; rows of up to 32 go one thread a row).
 """
 
 from __future__ import annotations
@@ -30,6 +33,25 @@ from .emit_expr import ExprEmitter, Scope, along, itemsize
 from .kernel_ir import KernelIR, Load, Store
 
 PEEL_MIN_K = 1024
+
+
+@dataclass(frozen=True)
+class PeelSpan:
+    """Where a peeled row's vector chunks run: ``lo`` (a prefix) and ``hi`` in the row's
+    elements (``k0``), ``q_lo`` and ``q_hi`` in its aligned middle (``q0``,
+    ``middle_loop``), and ``base``, the element a block's kept share starts at (the
+    cluster layout's shared-memory slots are indexed from it)."""
+
+    lo: str
+    hi: str
+    q_lo: str
+    q_hi: str
+    base: str
+
+
+# by layout: the inner layout's row (the whole middle), the cluster's share of it
+PEEL_SPAN = {False: PeelSpan("sfk_lead + ", "sfk_vend", "", "sfk_mid", "sfk_lead"),
+             True: PeelSpan("sfk_vb + ", "sfk_ve", "sfk_qb + ", "sfk_qe", "sfk_vb")}
 
 
 @dataclass(frozen=True)
@@ -51,8 +73,8 @@ def why_not_peeled(ir: KernelIR, layout: str) -> str | None:
     then looks at its accesses). Rows of up to 32 go one thread a row; PEEL_MIN_K is
     above that."""
     d = ir.domain
-    if layout != "inner":
-        return f"the {layout} layout (only the inner one is peeled)"
+    if layout not in ("inner", "cluster"):
+        return f"the {layout} layout (only the inner and cluster ones are peeled)"
     if len(d.red_vars) != 1:
         return f"{len(d.red_vars)} reduced indices (one is peeled)"
     extent = sympy.sympify(d.red_extents[0])
@@ -93,27 +115,42 @@ def peeled_access(k, ir: KernelIR, loads: list[Load], stores: list[Store]) -> Pe
     return Peel(vec, vloads, vstores, conds, rest)
 
 
-def row_bounds(peel: Peel, em: ExprEmitter, row: Scope, IDX: str) -> list[str]:
+def row_bounds(peel: Peel, em: ExprEmitter, row: Scope, IDX: str,
+               cluster: bool = False) -> list[str]:
     """The row's head length ``sfk_lead`` (elements before the first aligned one; the
     ``%`` is C's, so a negative start also gives 0..VEC-1), the length of its aligned
     middle ``sfk_mid`` and its end ``sfk_vend``, and ``sfk_edge``, the head's and tail's
-    elements together."""
+    elements together (``cluster``: the first block's only)."""
     v = peel.vec
     start = em.index(peel.rest, row)
+    edge = "sfk_lead + (Kr - sfk_vend)"
     return [f"    const {IDX} sfk_lead0 = ({IDX})(({v} - ({start}) % {v}) % {v});",
             f"    const {IDX} sfk_lead = Kr < sfk_lead0 ? Kr : sfk_lead0;",
             f"    const {IDX} sfk_mid = ((Kr - sfk_lead) / {v}) * {v};",
             f"    const {IDX} sfk_vend = sfk_lead + sfk_mid;",
-            f"    const {IDX} sfk_edge = sfk_lead + (Kr - sfk_vend);"]
+            f"    const {IDX} sfk_edge = " + (f"sfk_rank == 0u ? {edge} : 0;" if cluster
+                                             else f"{edge};")]
 
 
-def middle_loop(IDX: str, vec: int, ind: str) -> list[str]:
-    """The head of the loop over the aligned middle's chunks: counted from 0 to
-    ``sfk_mid`` and offset by ``sfk_lead`` inside, rather than from ``sfk_lead`` to
+def cluster_middle(IDX: str, vec: int, blocks: int) -> list[str]:
+    """A cluster block's share of a peeled row's aligned middle (``PEEL_SPAN[True]``):
+    whole chunks, in rank order, from ``sfk_qb`` to ``sfk_qe`` of the middle, which are
+    the row's elements ``sfk_vb`` to ``sfk_ve``."""
+    return [f"    const {IDX} sfk_qshare = ((sfk_mid + {blocks * vec - 1}) / {blocks * vec}) * {vec};",
+            f"    const {IDX} sfk_qb = ({IDX})sfk_rank * sfk_qshare;",
+            f"    const {IDX} sfk_qe = sfk_mid - sfk_qb < sfk_qshare ? sfk_mid : sfk_qb + sfk_qshare;",
+            f"    const {IDX} sfk_vb = sfk_lead + sfk_qb;",
+            f"    const {IDX} sfk_ve = sfk_lead + sfk_qe;"]
+
+
+def middle_loop(IDX: str, vec: int, ind: str, span: PeelSpan) -> list[str]:
+    """The head of the loop over the aligned middle's chunks (``span``'s): counted in the
+    middle and offset by ``sfk_lead`` inside, rather than from ``sfk_lead`` to
     ``sfk_vend`` (nvcc 13, sm_90a, L1 38's kernel: 4 vector loads a pass unrolled as in
     the aligned template and 42 registers, against 7 and 56)."""
     return [f"{ind}#pragma unroll 4",
-            f"{ind}for ({IDX} q0 = ({IDX})tk * {vec}; q0 < sfk_mid; q0 += ({IDX})TK * {vec}) {{",
+            f"{ind}for ({IDX} q0 = {span.q_lo}({IDX})tk * {vec}; q0 < {span.q_hi}; "
+            f"q0 += ({IDX})TK * {vec}) {{",
             f"{ind}  const {IDX} k0 = sfk_lead + q0;"]
 
 

@@ -1,10 +1,12 @@
 """Peeled rows (``codegen.peel``, ``generate(peel=True)``; the Coder's ``_pl``
 alternative): a row reduction whose rows start anywhere (odd lengths: KernelBench L1
 38/39's 65535) reads a scalar head up to its first aligned element, 16-byte chunks over
-the aligned middle, and a scalar tail. On the CPU: what the source holds, that the
-emitted row bounds cover each element once with every chunk aligned, what is not
-peeled, the Coder's alternative, and that every case compiles for sm_90a; on the GPU:
-eager's values, bit-identical on a second launch, also from a misaligned view."""
+the aligned middle, and a scalar tail; in the cluster layout each block takes a share of
+the middle and the first block the head and tail. On the CPU: what the source holds,
+that the emitted row bounds cover each element once with every chunk aligned (and, in a
+cluster, inside its block's shared-memory share), what is not peeled, the Coder's
+alternatives, and that every case compiles for sm_90a; on the GPU: eager's values,
+bit-identical on a second launch, also from a misaligned view."""
 
 from __future__ import annotations
 
@@ -59,10 +61,10 @@ def _inputs(what, device="cpu"):
     return [torch.randn(*shape, device=device, generator=gen).to(dtype) for shape, dtype in specs]
 
 
-def _kernel(what, device="cpu", peel=True):
+def _kernel(what, device="cpu", peel=True, layout=None):
     fn, _ = CASES[what]
     xs = _inputs(what, device)
-    return generate(_trace(fn, *xs), f"pl_{what}", peel=peel), fn, xs
+    return generate(_trace(fn, *xs), f"pl_{what}", peel=peel, layout=layout), fn, xs
 
 
 def test_a_peeled_row_norm_reads_its_aligned_middle_in_vectors_and_its_edges_one_by_one():
@@ -86,19 +88,32 @@ def test_a_peeled_row_norm_reads_its_aligned_middle_in_vectors_and_its_edges_one
     assert plain.emitted.vec == 1 and "sfk_lead" not in plain.source
 
 
-def _bounds(src: str):
-    """The emitted row-bound lines as Python assignments (of the row index i0 and Kr)."""
+_BOUNDS = ["sfk_lead0", "sfk_lead", "sfk_mid", "sfk_vend", "sfk_edge"]
+_CLUSTER_BOUNDS = ["sfk_share", "kb", "ke", "sfk_qshare", "sfk_qb", "sfk_qe", "sfk_vb", "sfk_ve"]
+
+
+def _bounds(src: str, names=tuple(_BOUNDS)):
+    """The emitted row-bound lines as Python assignments (of the row index i0, Kr and,
+    in a cluster, the block's rank)."""
     lines = [ln.strip() for ln in src.splitlines()
-             if re.match(r"\s*const int sfk_(lead0?|mid|vend|edge) =", ln)]
-    assert [ln.split(" =")[0] for ln in lines] == [
-        "const int sfk_lead0", "const int sfk_lead", "const int sfk_mid", "const int sfk_vend",
-        "const int sfk_edge"]
+             if re.match(rf"\s*const int ({'|'.join(names)}) =", ln)]
+    assert [ln.split(" =")[0] for ln in lines] == [f"const int {n}" for n in names]
     body = []
     for ln in lines:
         ln = ln.removeprefix("const int ").rstrip(";").replace("(int)", "").replace("/", "//")
-        ln = re.sub(r"(\w+) < (\w+) \? (\w+) : (\w+)", r"(\3 if \1 < \2 else \4)", ln)
+        ln = ln.replace("sfk_rank == 0u", "sfk_rank == 0")
+        ln = re.sub(r"(\w+ [<=]=? \w+) \? (.+) : (\w+)$", r"((\2) if \1 else \3)", ln)
+        ln = re.sub(r"(\w+(?: - \w+)?) < (\w+) \? (\w+(?: \+ \w+)?) : (\w+(?: \+ \w+)?)",
+                    r"(\3 if \1 < \2 else \4)", ln)
         body.append(ln)
     return body
+
+
+def _evaluate(body, env):
+    for ln in body:
+        name, expr = ln.split(" = ", 1)
+        env[name] = eval(expr, {}, env)   # noqa: S307 - the test's own generated text
+    return env
 
 
 def test_the_row_bounds_cover_each_element_once_with_every_chunk_aligned():
@@ -110,10 +125,7 @@ def test_the_row_bounds_cover_each_element_once_with_every_chunk_aligned():
     body = _bounds(k.source)
     for i0 in range(8):
         for kr in list(range(0, 12)) + [65535, 4099]:
-            env = {"i0": i0, "Kr": kr}
-            for ln in body:
-                name, expr = ln.split(" = ", 1)
-                env[name] = eval(expr, {}, env)   # noqa: S307 - the test's own generated text
+            env = _evaluate(body, {"i0": i0, "Kr": kr})
             lead, vend, edge = env["sfk_lead"], env["sfk_vend"], env["sfk_edge"]
             chunks = [lead + q0 for q0 in range(0, env["sfk_mid"], 4)]
             assert all((65535 * i0 + c) % 4 == 0 and c + 4 <= vend <= kr for c in chunks), (i0, kr)
@@ -136,7 +148,6 @@ def test_the_rows_own_data_takes_the_vector_path_before_what_every_row_reads():
 def test_rows_with_an_aligned_vector_path_short_rows_and_other_layouts_are_not_peeled():
     for fn, x, layout in ((_l2norm, torch.randn(16, 32768), None),        # aligned already
                           (_l2norm, torch.randn(16, PEEL_MIN_K - 1), None),  # short rows
-                          (_l2norm, torch.randn(16, 33333), "cluster"),
                           (lambda a: a.sum(0), torch.randn(33333, 5), None),  # column layout
                           (torch.relu, torch.randn(7, 33333), None)):         # pointwise
         with pytest.raises(Unsupported):
@@ -199,4 +210,72 @@ def test_peeled_rows_give_eagers_values(what):
         base = torch.randn(xs[0].numel() + 1, device="cuda")
         xs = [base[1:].view(xs[0].shape)]
         assert xs[0].data_ptr() % 16
+    assert_eager_values(k, fn, xs)
+
+
+def test_a_peeled_cluster_row_shares_its_aligned_middle_and_the_first_block_its_edges():
+    """The cluster layout peeled (L1 38's rows): each of the 8 blocks takes whole aligned
+    chunks of the middle (``sfk_qb``..``sfk_qe``), keeps them in its shared memory
+    indexed from ``sfk_vb``, and the first block alone the head and tail; evaluated from
+    the source for each start of a row modulo 4 and lengths up to past 8 chunks, the
+    blocks' chunks and the first block's edges cover the row once, every chunk aligned and
+    inside its block's slots (``_share`` elements, as the scalar path's)."""
+    k, _, _ = _kernel("l1norm_odd", layout="cluster")
+    src = k.source
+    assert k.emitted.layout == "cluster" and k.emitted.vec == 4 and k.emitted.shared_mem > 0
+    assert "rows peeled to alignment" in src and "(8 blocks a row)" in src
+    assert "sfk_rb_vin0_0[(k0 - sfk_vb) / 4] = " in src
+    assert src.count("q0 = sfk_qb + (int)tk * 4; q0 < sfk_qe;") == 1   # the pass from smem
+    assert "kq = sfk_vb + (int)tk * 4;" in src                           # the batched pass
+    body = _bounds(src) + _bounds(src, tuple(_CLUSTER_BOUNDS))
+    for i0 in range(4):
+        for kr in list(range(0, 40)) + [65535, 4099]:
+            seen = []
+            for rank in range(8):
+                env = _evaluate(body, {"i0": i0, "Kr": kr, "sfk_rank": rank})
+                share = env["sfk_share"]
+                chunks = list(range(env["sfk_vb"], env["sfk_ve"], 4))
+                assert all((65535 * i0 + c) % 4 == 0 for c in chunks), (i0, kr, rank)
+                assert all(0 <= (c - env["sfk_vb"]) // 4 < share // 4 for c in chunks)
+                seen += [c + v for c in chunks for v in range(4)]
+                lead, vend = env["sfk_lead"], env["sfk_vend"]
+                assert env["sfk_edge"] == (lead + kr - vend if rank == 0 else 0)
+                seen += [e if e < lead else vend + (e - lead) for e in range(env["sfk_edge"])]
+            assert sorted(seen) == list(range(kr)), (i0, kr)
+
+
+def test_odd_long_rows_get_a_peeled_cluster_alternative():
+    """Rows of 33333 with clusters: ``_cl_r`` and ``_clf_r`` (an L2 norm's division by
+    its root) are peeled; rows of 32768 keep the aligned cluster kernel."""
+    from stitch_backend.agents.coder import TemplateCoder
+    from stitch_backend.agents.state import subtask_for
+
+    rec, region = _region(_OddNorm(), torch.randn(4, 33333))
+    alts = {a.name: a for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, region, "k")).alternatives}
+    for name in ("k_cl_r", "k_clf_r"):
+        (kernel,) = alts[name].kernels
+        assert kernel.emitted.layout == "cluster" and kernel.emitted.vec == 4, name
+        assert "sfk_qshare" in kernel.source and kernel.resident, name
+    rec, region = _region(_OddNorm(), torch.randn(4, 32768))
+    alts = {a.name: a for a in TemplateCoder(clusters=True).propose(
+        subtask_for(rec.gm, region, "k")).alternatives}
+    (kernel,) = alts["k_cl_r"].kernels
+    assert kernel.emitted.vec == 4 and "sfk_lead" not in kernel.source
+
+
+@pytest.mark.nvcc
+def test_every_peeled_case_compiles_for_sm90a_in_the_cluster_layout():
+    assert_compiles_for_sm90a([_kernel(w, layout="cluster")[0] for w in sorted(CASES)],
+                              "peel_cluster")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("what", sorted(CASES) + ["l2norm_odd misaligned"])
+def test_peeled_cluster_rows_give_eagers_values(what):
+    k, fn, xs = _kernel(what.split()[0], "cuda", layout="cluster")
+    assert "sfk_qshare" in k.source
+    if what.endswith("misaligned"):
+        base = torch.randn(xs[0].numel() + 1, device="cuda")
+        xs = [base[1:].view(xs[0].shape)]
     assert_eager_values(k, fn, xs)
