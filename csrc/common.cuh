@@ -143,8 +143,27 @@ __device__ __forceinline__ float sc_std_max(float a, float b) { return (a < b) ?
 __device__ __forceinline__ float sc_std_min(float a, float b) { return (b < a) ? b : a; }
 
 // sc_maxf / sc_minf: NaN-propagating max/min, as torch.maximum/amax and torch.minimum/amin.
-__device__ __forceinline__ float sc_maxf(float a, float b) { return sc_isnan(a) ? a : (sc_isnan(b) ? b : fmaxf(a, b)); }
-__device__ __forceinline__ float sc_minf(float a, float b) { return sc_isnan(a) ? a : (sc_isnan(b) ? b : fminf(a, b)); }
+// On sm_80 and later PTX's max.NaN / min.NaN, one FMNMX.NAN: the portable form compiled to
+// two compares and two branches an element (nvcc 13, sm_90a, the generated online
+// softmax's pass over L1 23's rows: most of its instructions there).
+__device__ __forceinline__ float sc_maxf(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return sc_isnan(a) ? a : (sc_isnan(b) ? b : fmaxf(a, b));
+#endif
+}
+__device__ __forceinline__ float sc_minf(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return sc_isnan(a) ? a : (sc_isnan(b) ? b : fminf(a, b));
+#endif
+}
 
 // sc_clamp: torch.clamp(x, lo, hi) (NaN stays NaN; min(max(x, lo), hi)).
 __device__ __forceinline__ float sc_clamp(float x, float lo, float hi) { return sc_isnan(x) ? x : fminf(fmaxf(x, lo), hi); }

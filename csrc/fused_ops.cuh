@@ -34,28 +34,10 @@ __device__ __forceinline__ float sfk_round_bf16(float x) { return __bfloat162flo
 
 template <typename T> __device__ __forceinline__ bool sfk_isnan(T x) { return x != x; }
 
-// NaN-propagating maximum/minimum (torch.maximum / amax); integers: plain. fp32 on sm_80
-// and later: PTX's max.NaN / min.NaN, one FMNMX.NAN; the portable form below compiled to
-// two compares and two branches an element (nvcc 13, sm_90a, the online softmax's pass
-// over L1 23's rows), most of the generated cluster kernel's instructions there.
-__device__ __forceinline__ float sfk_maximum(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a != a ? a : (b != b ? b : fmaxf(a, b));
-#endif
-}
-__device__ __forceinline__ float sfk_minimum(float a, float b) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  float r;
-  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return a != a ? a : (b != b ? b : fminf(a, b));
-#endif
-}
+// NaN-propagating maximum/minimum (torch.maximum / amax): fp32 as common.cuh's sc_maxf /
+// sc_minf (one FMNMX.NAN on sm_80 and later); integers: plain.
+__device__ __forceinline__ float sfk_maximum(float a, float b) { return sc_maxf(a, b); }
+__device__ __forceinline__ float sfk_minimum(float a, float b) { return sc_minf(a, b); }
 __device__ __forceinline__ double sfk_maximum(double a, double b) { return a != a ? a : (b != b ? b : fmax(a, b)); }
 __device__ __forceinline__ double sfk_minimum(double a, double b) { return a != a ? a : (b != b ? b : fmin(a, b)); }
 template <typename T> __device__ __forceinline__ T sfk_maximum(T a, T b) { return a < b ? b : a; }
