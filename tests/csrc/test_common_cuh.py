@@ -151,6 +151,29 @@ def test_common_cuh_compiles_with_nvcc(name, arch):
     assert kernel.arch == arch
 
 
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,native", [("sm_90a", True), ("sm_80", True), ("sm_75", False)])
+def test_nan_propagating_max_and_min_are_ptx_max_nan_from_sm80(arch, native, tmp_path):
+    """sc_maxf / sc_minf (and the generated kernels' sfk_maximum / sfk_minimum, which call
+    them) are PTX's max.NaN / min.NaN from sm_80: the portable form compiled to two
+    compares and two branches an element. Before sm_80 the portable form stays."""
+    import subprocess
+
+    src = tmp_path / "mx.cu"
+    src.write_text('#include "fused_ops.cuh"\n'
+                   'extern "C" __global__ void mx(const float* a, float* o) {\n'
+                   '  o[0] = sc_maxf(a[0], a[1]); o[1] = sc_minf(a[0], a[1]);\n'
+                   '  o[2] = sfk_maximum(a[2], a[3]); o[3] = sfk_minimum(a[2], a[3]);\n}\n')
+    ptx = tmp_path / "mx.ptx"
+    subprocess.run([toolchain.find_nvcc(), "-ptx", f"-arch={arch}", "-std=c++17",
+                    f"-I{toolchain.csrc_dir()}", "-o", str(ptx), str(src)], check=True)
+    text = ptx.read_text()
+    if native:
+        assert text.count("max.NaN.f32") == 2 and text.count("min.NaN.f32") == 2, text
+    else:
+        assert "max.NaN" not in text and "min.NaN" not in text
+
+
 def _nvrtc_or_skip():
     try:
         return toolchain.nvrtc_version()
