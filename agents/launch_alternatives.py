@@ -177,17 +177,16 @@ def cluster_rows(coder: Any, subtask: Subtask, stages: list[Stage]) -> list[Cand
         # lost L1 23's softmax and L1 38/39's norms on an H100 (codegen/cluster.py)
         return new.emitted.shared_mem > 0
 
-    def odd_rows(kernel: Any) -> dict:
+    def odd_rows(kernel: Any) -> dict:   # each kernel's own: peel rows with no vector path
         return {"peel": kernel.emitted.vec == 1 and why_not_peeled(kernel.ir, "cluster") is None}
 
+    peels = any(s.kernel is not None and long_rows(s.kernel) and odd_rows(s.kernel)["peel"]
+                for s in stages)
     found = []
     for suffix, fast in (("cl", False), ("clf", True)):
-        cand = None
-        if any(s.kernel is not None and long_rows(s.kernel) and odd_rows(s.kernel)["peel"]
-               for s in stages):
-            cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
-                            per_kernel=odd_rows, layout="cluster", fast_math=fast)
-        if cand is None:   # aligned rows, or odd rows peel does not apply to
+        cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
+                        per_kernel=odd_rows, layout="cluster", fast_math=fast)
+        if cand is None and peels:   # odd rows that peel refused: their unpeeled kernel
             cand = _swapped(coder, subtask, stages, long_rows, suffix, differs=kept,
                             layout="cluster", fast_math=fast)
         if cand is not None:
